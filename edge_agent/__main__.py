@@ -1,0 +1,3 @@
+from edge_agent.cli import main_entry
+
+main_entry()

@@ -1,0 +1,1 @@
+"""Sub-commands of the `edge-agent` CLI; each module exposes `register(subparsers)`."""

@@ -1,0 +1,12 @@
+"""`edge-agent flash` (placeholder until implemented)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = sub.add_parser("flash", help="(not yet implemented)")
+    parser.set_defaults(func=lambda args: 1)

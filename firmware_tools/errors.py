@@ -1,0 +1,11 @@
+"""One exception root for firmware_tools (STYLE.md §4)."""
+
+from __future__ import annotations
+
+__all__ = ["FirmwareError"]
+
+
+class FirmwareError(Exception):
+    """Root of every error firmware_tools raises on purpose. `exit_code` is for the CLI."""
+
+    exit_code = 1
