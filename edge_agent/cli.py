@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -68,10 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # stdout closed early (e.g. `edge-agent generate ... | head -1`): not an error.
-        try:
-            sys.stdout = None  # type: ignore[assignment]
-        finally:
-            return EXIT_OK
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 def main_entry() -> None:
