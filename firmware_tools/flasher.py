@@ -1,0 +1,441 @@
+"""Flash an ELF through the STM32 UART bootloader: check, read-before-erase, write, verify, resume.
+
+Invariants this module owns:
+- Nothing is written unless the ELF passed every check (`load_elf`) and the chip id matches the
+  board profile.
+- Only sectors the image covers are touched. A sector whose image bytes already read back equal
+  is left alone (no erase, no write). Every other covered sector is erased (one erase command
+  for all of them), written, then read back and compared (always; there is no switch to skip
+  verification).
+- Progress is journaled per sector in `<state_dir>/flash/<key>.json` (key: image sha256 + board +
+  port), written atomically (tmp file, fsync, rename, fsync dir): `erased` after the erase ACK,
+  `verified` after the read-back matched. `resume=True` skips `verified` sectors (and reads them
+  back once at the end), continues an `erased` sector without erasing it again when its unwritten
+  blocks still read 0xFF. The file is removed when the job completes.
+- Go (jump to the image base) is sent only after everything verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from firmware_tools.bootloader import Bootloader, Timeouts, open_port
+from firmware_tools.errors import FirmwareError
+
+__all__ = [
+    "FlashError",
+    "FlashResult",
+    "Progress",
+    "VerifyError",
+    "flash_elf",
+    "journal_path",
+    "port_identity",
+    "SectorJob",
+    "read_flash",
+    "sector_jobs",
+]
+
+Progress = Callable[[int, int, str], None]
+BLOCK = 256
+PROBE = 16
+
+
+class FlashError(FirmwareError):
+    """A flashing job that cannot go on (bad arguments, missing state)."""
+
+
+class VerifyError(FlashError):
+    """Read-back after writing differs from the image."""
+
+
+@dataclass
+class FlashResult:
+    """What a flash job did; `to_dict()` is the `--json` output."""
+
+    elf: str
+    board: str
+    port: str
+    image_sha256: str
+    base: int
+    size: int
+    sectors: list[int]
+    dry_run: bool = False
+    chip_id: int | None = None
+    bootloader_version: str | None = None
+    erase_command: int | None = None
+    erased: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # already matched: untouched
+    resumed: list[int] = field(default_factory=list)  # done by an earlier, interrupted run
+    bytes_written: int = 0
+    bytes_verified: int = 0
+    went: bool = False
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+    journal: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["base"] = f"0x{self.base:08X}"
+        if self.chip_id is not None:
+            out["chip_id"] = f"0x{self.chip_id:03X}"
+        if self.erase_command is not None:
+            out["erase_command"] = f"0x{self.erase_command:02X}"
+        return out
+
+
+# --- what to write -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SectorJob:
+    """One covered sector: `check` covers all its image bytes (blank blocks included, for
+    read-before-erase and verify); `write` leaves out blocks that are all 0xFF."""
+
+    sector: Any
+    check: tuple[tuple[int, bytes], ...]
+    write: tuple[tuple[int, bytes], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(len(d) for _, d in self.check)
+
+
+def sector_jobs(image: Any, profile: Any) -> list[SectorJob]:
+    """Split `image` along the plan's chunk grid (`firmware_tools.plan`) into per-sector jobs."""
+    from firmware_tools.plan import plan_flash
+
+    full = plan_flash(image, profile, skip_blank=False).write_chunks
+    plan = plan_flash(image, profile)
+    jobs = []
+    for sector in plan.sectors:
+        check = tuple(c for c in full if sector.start <= c[0] < sector.end)
+        write = tuple(c for c in plan.write_chunks if sector.start <= c[0] < sector.end)
+        jobs.append(SectorJob(sector, check, write))
+    return jobs
+
+
+# --- journal ---------------------------------------------------------------------------------
+
+
+def port_identity(port: str) -> str:
+    """The part of a port URL naming the board: fault knobs and options are left out.
+
+    For `stm32sim://` the `state` file is the board's identity (and `chip`, `board`).
+    """
+    parts = urllib.parse.urlsplit(port)
+    if parts.scheme == "stm32sim":
+        q = urllib.parse.parse_qs(parts.query)
+        keep = {k: q[k] for k in ("chip", "board", "state") if k in q}
+        return "stm32sim://?" + urllib.parse.urlencode(sorted(keep.items()), doseq=True)
+    if parts.scheme:
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+    return os.path.realpath(port) if os.path.exists(port) else port
+
+
+def journal_path(state_dir: str | os.PathLike[str], sha256: str, board: str, port: str) -> Path:
+    key = hashlib.sha256(f"{sha256}|{board}|{port_identity(port)}".encode()).hexdigest()[:20]
+    return Path(state_dir) / "flash" / f"{key}.json"
+
+
+def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dirfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+class _Journal:
+    def __init__(self, path: Path | None, head: dict[str, Any], resume: bool) -> None:
+        self.path = path
+        self.doc: dict[str, Any] = {**head, "sectors": {}}
+        if path is not None and resume and path.exists():
+            try:
+                old = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise FlashError(
+                    f"resume: progress file {path} is unreadable ({exc}). "
+                    "Hint: delete it and flash without --resume."
+                ) from exc
+            if all(old.get(k) == v for k, v in head.items()):
+                self.doc["sectors"] = dict(old.get("sectors", {}))
+
+    def state(self, index: int) -> str | None:
+        return self.doc["sectors"].get(str(index))
+
+    def mark(self, index: int, state: str) -> None:
+        self.mark_many([index], state)
+
+    def mark_many(self, indexes: list[int], state: str) -> None:
+        for index in indexes:
+            self.doc["sectors"][str(index)] = state
+        self.doc["updated"] = time.time()
+        if self.path is not None:
+            _write_atomic(self.path, self.doc)
+
+    def done(self) -> None:
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
+
+
+# --- the job ---------------------------------------------------------------------------------
+
+
+def _timeouts(profile: Any) -> Timeouts:
+    b = profile.bootloader
+    return Timeouts(
+        ack=b.command_timeout_s,
+        write=b.write_timeout_s,
+        sector_erase=b.erase_timeout_s,
+        mass_erase=b.mass_erase_timeout_s,
+        read=max(b.command_timeout_s, 1.0),
+    )
+
+
+def _is_pty(port: str) -> bool:
+    path = os.path.realpath(port) if os.path.exists(port) else port
+    return path.startswith("/dev/pts/")
+
+
+def _connect(
+    profile: Any, port: Any, baud: int | None, parity: str | None, notes: list[str]
+) -> Bootloader:
+    settings = profile.bootloader
+    name = port if isinstance(port, str) else None
+    if parity is None:
+        parity = settings.parity
+        if name and parity != "N" and _is_pty(name):
+            # The kernel refuses PARENB on a pseudo-terminal (tcsetattr: EINVAL).
+            parity = "N"
+            notes.append(
+                f"{name} is a pseudo-terminal, which has no parity: using 8N1 instead of the "
+                f"bootloader's 8{settings.parity}1 (fine for a simulator or a bridge)"
+            )
+    handle = open_port(port, baud or settings.baud, parity) if name else port
+    bl = Bootloader(
+        handle, timeouts=_timeouts(profile), write_retries=settings.write_retries, name=name
+    )
+    try:
+        bl.sync()
+        bl.get()
+        bl.check_chip(profile.chip_ids, profile.name)
+    except BaseException:
+        if name:
+            bl.close()
+        raise
+    return bl
+
+
+def flash_elf(
+    elf_path: str | os.PathLike[str],
+    profile: Any,
+    port_url: Any,
+    *,
+    baud: int | None = None,
+    dry_run: bool = False,
+    resume: bool = False,
+    go: bool = True,
+    progress: Progress | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+    parity: str | None = None,
+) -> FlashResult:
+    """Check `elf_path` against `profile` and flash it through the bootloader at `port_url`.
+
+    `port_url` is any pyserial URL (`/dev/ttyUSB0`, `socket://h:p`, `stm32sim://?chip=f405`) or
+    an open port object. `dry_run` runs the checks and the plan only and opens no port.
+    `parity` overrides the profile's (default: the profile's; 'N' on a pty, with a warning).
+    """
+    from firmware_tools.image import load_elf
+
+    t0 = time.monotonic()
+    image = load_elf(elf_path, profile)
+    jobs = sector_jobs(image, profile)
+    port_name = port_url if isinstance(port_url, str) else str(getattr(port_url, "name", "port"))
+    result = FlashResult(
+        elf=os.fspath(elf_path),
+        board=profile.name,
+        port=port_name,
+        image_sha256=image.sha256,
+        base=image.base,
+        size=len(image.data),
+        sectors=[j.sector.index for j in jobs],
+        dry_run=dry_run,
+        warnings=list(image.warnings),
+    )
+    if dry_run:
+        result.seconds = time.monotonic() - t0
+        return result
+    if resume and state_dir is None:
+        raise FlashError(
+            "resume: no state directory to find the progress of the interrupted job in. "
+            "Hint: pass state_dir (the CLI's --state-dir) as in the first run."
+        )
+    path = journal_path(state_dir, image.sha256, profile.name, port_name) if state_dir else None
+    head = {"image_sha256": image.sha256, "board": profile.name, "port": port_identity(port_name)}
+    journal = _Journal(path, head, resume)
+    result.journal = str(path) if path else None
+    total = sum(j.size for j in jobs)
+    report = progress or (lambda done, total, phase: None)
+
+    bl = _connect(profile, port_url, baud, parity, result.warnings)
+    try:
+        assert bl.info is not None
+        result.bootloader_version = bl.info.version_text
+        result.chip_id = bl.chip_id
+        erase_code = bl.erase_command()
+        result.erase_command = erase_code
+        # 1. Read before erase: decide for every covered sector.
+        work: list[tuple[SectorJob, tuple[tuple[int, bytes], ...]]] = []
+        done = 0
+        for job in jobs:
+            index = job.sector.index
+            state = journal.state(index) if resume else None
+            if state == "verified":
+                result.resumed.append(index)
+                continue
+            todo = _sector_todo(bl, job, state, report, done, total)
+            if todo is None:  # already holds the image
+                result.skipped.append(index)
+                journal.mark(index, "verified")
+                done += job.size
+                report(done, total, "skip")
+            else:
+                work.append((job, todo))
+        # 2. One erase command for every sector that needs it (as stm32flash does).
+        to_erase = [job.sector.index for job, todo in work if todo is job.write]
+        if to_erase:
+            report(done, total, "erase")
+            bl.erase(to_erase, erase_code)
+            result.erased.extend(to_erase)
+            journal.mark_many(to_erase, "erased")
+        # 3. Write and read back, sector by sector.
+        for job, todo in work:
+            index, size = job.sector.index, job.size
+            written, todo_size = 0, max(sum(len(d) for _, d in todo), 1)
+            for address, data in todo:
+                bl.write_memory(address, data)
+                result.bytes_written += len(data)
+                written += len(data)
+                report(done + written * size // (2 * todo_size), total, "write")
+            for i, (address, data) in enumerate(job.check):
+                _verify(bl, address, data, index)
+                result.bytes_verified += len(data)
+                report(done + size // 2 + (i + 1) * size // (2 * len(job.check)), total, "verify")
+            journal.mark(index, "verified")
+            done += size
+        # 4. Sectors an interrupted run finished: read back once.
+        for job in jobs:
+            if job.sector.index in result.resumed:
+                for address, data in job.check:
+                    _verify(bl, address, data, job.sector.index)
+                    result.bytes_verified += len(data)
+                done += job.size
+                report(done, total, "verify")
+        if go:
+            bl.go(image.base)
+            result.went = True
+        journal.done()
+        report(total, total, "done")
+    finally:
+        if isinstance(port_url, str):
+            bl.close()
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _sector_todo(
+    bl: Bootloader, job: SectorJob, state: str | None, report: Progress, done: int, total: int
+) -> tuple[tuple[int, bytes], ...] | None:
+    """None if the sector already holds the image; `job.write` itself if it must be erased
+    and written; otherwise (resuming an erased sector) the blocks still to write."""
+    if state != "erased":
+        # Read before erase: a 16-byte probe first (a different image nearly always differs
+        # there), then block by block; the first difference decides.
+        address, data = job.check[0]
+        probe = min(PROBE, len(data))
+        report(done, total, "read")
+        if bl.read_memory(address, probe) != data[:probe]:
+            return job.write
+        for address, data in job.check:
+            report(done, total, "read")
+            if bl.read_memory(address, len(data)) != data:
+                return job.write
+        return None
+    missing: set[int] = set()
+    for address, data in job.check:
+        report(done, total, "read")
+        current = bl.read_memory(address, len(data))
+        if current == data:
+            continue
+        if current != b"\xff" * len(data):
+            return job.write  # a half-programmed block: erase the sector again
+        missing.add(address)
+    todo = tuple(c for c in job.write if c[0] in missing)
+    return todo or None
+
+
+def _verify(bl: Bootloader, address: int, data: bytes, sector: int) -> None:
+    got = bl.read_memory(address, len(data))
+    if got != data:
+        i = next(i for i, (a, b) in enumerate(zip(got, data, strict=True)) if a != b)
+        raise VerifyError(
+            f"verify of sector {sector} on {bl.name}: byte at 0x{address + i:08X} reads "
+            f"0x{got[i]:02X}, wrote 0x{data[i]:02X}. Hint: run the flash again; if the same "
+            "address fails twice the flash cell is worn or the sector is write-protected "
+            "(Write Unprotect 0x73)."
+        )
+
+
+def read_flash(
+    profile: Any,
+    port_url: Any,
+    out_path: str | os.PathLike[str],
+    *,
+    baud: int | None = None,
+    address: int | None = None,
+    length: int | None = None,
+    progress: Progress | None = None,
+    parity: str | None = None,
+) -> int:
+    """Dump [address, address+length) (default: the whole flash) to `out_path`; returns bytes."""
+    start = profile.flash_start if address is None else address
+    size = (profile.flash_end - start) if length is None else length
+    if size <= 0:
+        raise FlashError(
+            f"read of {size} bytes at 0x{start:08X}: nothing to read. "
+            "Hint: pass a positive --length or an address inside flash."
+        )
+    bl = _connect(profile, port_url, baud, parity, [])
+    buf = bytearray()
+    try:
+        while len(buf) < size:
+            n = min(BLOCK, size - len(buf))
+            buf += bl.read_memory(start + len(buf), n)
+            if progress:
+                progress(len(buf), size, "read")
+    finally:
+        if isinstance(port_url, str):
+            bl.close()
+    out = Path(out_path)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    return len(buf)

@@ -1,0 +1,155 @@
+"""flash_elf / read_flash against the simulator: skip, verify, journal and resume, faults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import firmware
+import pytest
+
+from firmware_tools.bootloader import ChipMismatchError, LinkError, ReadoutProtectedError
+from firmware_tools.flasher import (
+    FlashError,
+    VerifyError,
+    flash_elf,
+    journal_path,
+    port_identity,
+    read_flash,
+)
+from firmware_tools.profiles import load_profile
+
+F405 = load_profile("stm32f405")
+
+
+@pytest.fixture(scope="module")
+def fw(tmp_path_factory: pytest.TempPathFactory) -> firmware.FirmwareBuilder:
+    return firmware.builder(tmp_path_factory)
+
+
+def sim(state: Path, extra: str = "") -> str:
+    return f"stm32sim://?chip=f405&state={state}" + (f"&{extra}" if extra else "")
+
+
+def test_flash_writes_verifies_and_goes(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    state = tmp_path / "flash.bin"
+    events: list[tuple[int, int, str]] = []
+    result = flash_elf(fw.elf(), F405, sim(state), state_dir=tmp_path / "st",
+                       progress=lambda d, t, p: events.append((d, t, p)))
+    image = fw.objcopy_bin().read_bytes()
+    flash = state.read_bytes()
+    assert flash[: len(image)] == image
+    assert flash[len(image):] == b"\xff" * (len(flash) - len(image))
+    assert result.sectors == [0] and result.erased == [0] and result.skipped == []
+    assert result.bytes_written == result.bytes_verified == len(image)
+    assert result.went and result.chip_id == 0x413 and result.erase_command == 0x44
+    assert result.to_dict()["base"] == "0x08000000"
+    assert not Path(result.journal or "").exists()  # removed once the job completed
+    phases = [p for _, _, p in events]
+    assert {"read", "erase", "write", "verify"} <= set(phases) and phases[-1] == "done"
+    dones = [d for d, _, _ in events]
+    assert dones == sorted(dones) and events[-1][:2] == (len(image), len(image))
+
+
+def test_reflash_of_the_same_image_touches_nothing(
+    fw: firmware.FirmwareBuilder, tmp_path: Path
+) -> None:
+    state = tmp_path / "flash.bin"
+    flash_elf(fw.elf(), F405, sim(state), go=False)
+    again = flash_elf(fw.elf(), F405, sim(state), go=False)
+    assert again.skipped == [0] and again.erased == [] and again.bytes_written == 0
+    assert not again.went
+    # One changed byte in the image's range: the sector is erased and written again.
+    flash = bytearray(state.read_bytes())
+    flash[0x40] ^= 0xFF
+    state.write_bytes(bytes(flash))
+    third = flash_elf(fw.elf(), F405, sim(state), go=False)
+    assert third.erased == [0] and third.skipped == []
+    assert state.read_bytes()[:0x100] == fw.objcopy_bin().read_bytes()[:0x100]
+
+
+def test_dry_run_opens_no_port(fw: firmware.FirmwareBuilder) -> None:
+    result = flash_elf(fw.elf(), F405, "/dev/this-port-does-not-exist", dry_run=True)
+    assert result.dry_run and result.sectors == [0] and result.bytes_written == 0
+    assert result.chip_id is None and not result.went
+
+
+def test_link_drop_then_resume_finishes(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    big = fw.elf("big")
+    state, st = tmp_path / "flash.bin", tmp_path / "st"
+    with pytest.raises(LinkError, match=r"link dropped.*--resume"):
+        flash_elf(big, F405, sim(state, "drop_after=400000"), state_dir=st, go=False)
+    image = fw.objcopy_bin("big").read_bytes()
+    journals = list((st / "flash").glob("*.json"))
+    assert len(journals) == 1
+    doc = json.loads(journals[0].read_text())
+    done = sorted(int(k) for k, v in doc["sectors"].items() if v == "verified")
+    erased = sorted(int(k) for k, v in doc["sectors"].items() if v == "erased")
+    # One erase command for all sectors came first; the drop hit while writing sector 6.
+    assert done == [0, 1, 2, 3, 4, 5] and erased == [6, 7, 8, 9, 10, 11]
+    assert journals[0] == journal_path(st, doc["image_sha256"], "stm32f405", sim(state))
+
+    result = flash_elf(big, F405, sim(state), state_dir=st, resume=True)
+    assert result.resumed == done
+    assert result.erased == []  # erased sectors keep their written blocks: no second erase
+    assert result.skipped == []
+    assert 0 < result.bytes_written < len(image) - 256 * 1024  # sectors 0-5 hold 256 KiB
+    assert state.read_bytes()[: len(image)] == image
+    assert not journals[0].exists()
+
+
+def test_resume_without_journal_is_a_normal_run(
+    fw: firmware.FirmwareBuilder, tmp_path: Path
+) -> None:
+    result = flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin"), state_dir=tmp_path, resume=True)
+    assert result.resumed == [] and result.erased == [0]
+    with pytest.raises(FlashError, match=r"resume: no state directory.*Hint: pass state_dir"):
+        flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin"), resume=True)
+
+
+def test_verify_mismatch_names_the_address(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    with pytest.raises(VerifyError, match=r"verify of sector 0 on stm32sim.*byte at 0x08000011 "
+                       r"reads 0x[0-9A-F]{2}, wrote 0x[0-9A-F]{2}\. Hint: run the flash again"):
+        flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin", "corrupt=0x08000011"))
+
+
+def test_nack_on_write_is_retried_by_the_job(
+    fw: firmware.FirmwareBuilder, tmp_path: Path
+) -> None:
+    state = tmp_path / "f.bin"
+    result = flash_elf(fw.elf(), F405, sim(state, "nack=0x31:3&busy=2&bytewise=1"))
+    assert result.erased == [0]
+    assert state.read_bytes()[:64] == fw.objcopy_bin().read_bytes()[:64]
+
+
+def test_readout_protected_chip_is_explained(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    with pytest.raises(ReadoutProtectedError, match=r"readout protection.*MASS-ERASES"):
+        flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin", "rdp=1"))
+
+
+def test_wrong_chip_stops_before_writing(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    state = tmp_path / "f.bin"
+    with pytest.raises(ChipMismatchError, match=r"chip id is 0x410, but board profile "
+                       r"'stm32f405' expects 0x413"):
+        flash_elf(fw.elf(), F405, f"stm32sim://?chip=f103&state={state}")
+    assert state.read_bytes() == b"\xff" * (128 * 1024)
+
+
+def test_read_flash(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    state = tmp_path / "f.bin"
+    flash_elf(fw.elf(), F405, sim(state))
+    out = tmp_path / "dump.bin"
+    seen: list[int] = []
+    n = read_flash(F405, sim(state), out, address=0x08000000, length=1000,
+                   progress=lambda d, t, p: seen.append(d))
+    assert n == 1000 and out.read_bytes() == state.read_bytes()[:1000]
+    assert seen == [256, 512, 768, 1000]
+    with pytest.raises(FlashError, match=r"read of 0 bytes at 0x08000000.*Hint:"):
+        read_flash(F405, sim(state), out, length=0)
+
+
+def test_port_identity_ignores_fault_knobs() -> None:
+    assert port_identity("stm32sim://?chip=f405&state=/x/f.bin&drop_after=9") == port_identity(
+        "stm32sim://?state=/x/f.bin&nack=0x31&chip=f405"
+    )
+    assert port_identity("socket://localhost:7000?logging=debug") == "socket://localhost:7000"
