@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 STATE  ?= .state
 # Debian packages the tests use (ELF oracle, example firmware, QEMU boot, stm32flash fidelity, ptys)
 DEB_TEST_PACKAGES := gcc-arm-none-eabi binutils-arm-none-eabi libnewlib-arm-none-eabi \
-                     qemu-system-arm stm32flash socat
+                     qemu-system-arm stm32flash socat systemd
 
 .PHONY: run test venv deps-test deps-debian model lint bench clean
 

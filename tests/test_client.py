@@ -1,0 +1,321 @@
+"""DaemonClient and `edge-agent status|models|chat` against a small real HTTP server on a Unix
+socket (stdlib http.server in a thread): real sockets, real HTTP framing (chunked and
+close-delimited streams), real SSE bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import socketserver
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent import cli
+from edge_agent.client import DaemonClient, DaemonError, DaemonUnavailable
+from edge_agent.errors import EdgeAgentError
+
+HEALTH = {
+    "status": "serving",
+    "queue": {"depth": 1, "max": 64},
+    "mlock": {"locked_bytes": 538060032, "weight_bytes": 538060032},
+    "cgroup": {"delegated": False},
+    "models": [{"name": "smollm2", "state": "serving", "max_batch": 8}],
+}
+
+
+class FakeDaemon(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        self.health_code = 200
+        super().__init__(path, Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeDaemon
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _json(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        raw = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _body(self) -> Any:
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n)) if n else None
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        self.server.requests.append(("GET", self.path, None))
+        if self.path == "/health":
+            self._json(self.server.health_code, HEALTH)
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": "smollm2", "object": "model", "owned_by": "edge-agent",
+                 "state": "serving", "context": 2048}]})
+        elif self.path == "/metrics":
+            raw = b"boom"
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+        elif self.path.startswith("/v1/requests/"):
+            self._json(200, {"id": self.path.split("/")[3], "state": "running"})
+        else:
+            self._json(404, {"error": {"code": "not_found", "message": f"no route {self.path}"}})
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self.server.requests.append(("DELETE", self.path, None))
+        self._json(200, {"id": self.path.split("/")[-1], "state": "cancelled"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self._body()
+        self.server.requests.append(("POST", self.path, body))
+        if self.path == "/v1/requests":
+            self._json(202, {"id": "req-1", "state": "queued"})
+        elif self.path == "/v1/chat/completions" and body.get("stream"):
+            reply = "Echo: " + body["messages"][-1]["content"]
+            self._sse_chunked([{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+                              + [{"choices": [{"index": 0, "delta": {"content": reply[i:i + 4]}}]}
+                                 for i in range(0, len(reply), 4)])
+        elif self.path == "/v1/completions" and body.get("prompt") == "full":
+            self._json(503, {"error": {"code": "queue_full", "message": "queue full (64/64). "
+                                       "Hint: retry after 2 s"}}, {"Retry-After": "2"})
+        elif self.path == "/v1/completions" and body.get("stream"):
+            if body["prompt"] == "fail":
+                events = [{"choices": [{"text": "par"}]},
+                          {"error": {"code": "deadline_exceeded", "message": "queued 1 ms"}}]
+            else:
+                events = [{"choices": [{"text": "Once"}]}, {"choices": [{"text": " upon"}]}]
+            self._sse_close_delimited(events)
+        elif self.path == "/v1/completions":
+            self._json(200, {"choices": [{"text": "ok", "index": 0}]})
+        else:
+            self._json(400, {"error": {"code": "invalid_request", "message": "field 'x'"}})
+
+    def _sse_chunked(self, events: list[dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i, ev in enumerate(events):
+            data = f": keep-alive\nid: {i}\ndata: {json.dumps(ev)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        done = b"data: [DONE]\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+    def _sse_close_delimited(self, events: list[dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for ev in events:
+            self.wfile.write(f"data: {json.dumps(ev)}\r\n\r\n".encode())
+        self.close_connection = True
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    d = Path(f"/tmp/ea-cl-{uuid.uuid4().hex[:8]}")
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(short_dir: Path) -> Iterator[FakeDaemon]:
+    server = FakeDaemon(str(short_dir / "api.sock"))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def client(server: FakeDaemon) -> DaemonClient:
+    return DaemonClient(server.server_address, timeout=10)  # type: ignore[arg-type]
+
+
+# ----- the library -----------------------------------------------------------------------------
+
+
+def test_health_models_and_requests(daemon: FakeDaemon) -> None:
+    c = client(daemon)
+    assert c.available()
+    assert c.health() == HEALTH
+    assert [m["id"] for m in c.models()] == ["smollm2"]
+    assert c.submit("hi", max_tokens=4) == "req-1"
+    assert daemon.requests[-1] == ("POST", "/v1/requests", {"max_tokens": 4, "prompt": "hi"})
+    assert c.get_request("a/b")["id"] == "a%2Fb"  # ids are quoted into the path
+    assert c.cancel("req-1") == {"id": "req-1", "state": "cancelled"}
+    assert c.complete("x")["choices"][0]["text"] == "ok"
+
+
+def test_stream_chat_chunked(daemon: FakeDaemon) -> None:
+    pieces = list(client(daemon).stream_completion(
+        messages=[{"role": "user", "content": "hello there"}], max_tokens=8))
+    assert "".join(pieces) == "Echo: hello there" and len(pieces) > 1
+    assert daemon.requests[-1][2]["stream"] is True
+
+
+def test_stream_completion_close_delimited(daemon: FakeDaemon) -> None:
+    assert list(client(daemon).stream_completion("Tell")) == ["Once", " upon"]
+
+
+def test_stream_error_event_raises(daemon: FakeDaemon) -> None:
+    stream = client(daemon).stream_completion("fail")
+    assert next(stream) == "par"
+    with pytest.raises(DaemonError, match="queued 1 ms") as err:
+        next(stream)
+    assert err.value.code == "deadline_exceeded"
+
+
+def test_http_errors_map_to_daemon_error(daemon: FakeDaemon) -> None:
+    c = client(daemon)
+    with pytest.raises(DaemonError) as err:
+        c.complete("full")
+    e = err.value
+    assert (e.code, e.status, e.retry_after) == ("queue_full", 503, 2.0)
+    assert "POST /v1/completions: HTTP 503 queue_full: queue full (64/64)" in str(e)
+    with pytest.raises(DaemonError) as err:
+        c.metrics()
+    assert (err.value.code, err.value.status) == ("http_500", 500) and "boom" in str(err.value)
+    with pytest.raises(DaemonError, match=r"POST /v1/models/x/load: HTTP 400 invalid_request: "
+                       r"field 'x'") as err:
+        c.load_model("x")
+    assert err.value.code == "invalid_request" and err.value.status == 400
+    with pytest.raises(ValueError, match="exactly one of prompt or messages"):
+        next(c.stream_completion())
+
+
+def test_unavailable_when_absent_refused_or_not_http(short_dir: Path) -> None:
+    absent = DaemonClient(short_dir / "absent.sock", timeout=5)
+    assert absent.available() is False
+    with pytest.raises(DaemonUnavailable) as err:
+        absent.health()
+    assert isinstance(err.value, EdgeAgentError) and isinstance(err.value, OSError)
+    assert "absent.sock: No such file or directory. Hint: start the daemon" in str(err.value)
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bound:  # bound, not listening
+        bound.bind(str(short_dir / "refused.sock"))
+        refused = DaemonClient(short_dir / "refused.sock", timeout=5)
+        assert refused.available() is False
+        with pytest.raises(DaemonUnavailable, match="Connection refused"):
+            refused.models()
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as rude:  # accepts, then hangs up
+        rude.bind(str(short_dir / "rude.sock"))
+        rude.listen()
+
+        def hang_up() -> None:
+            for _ in range(2):
+                conn, _ = rude.accept()
+                conn.recv(1024)
+                conn.close()
+
+        t = threading.Thread(target=hang_up)
+        t.start()
+        c = DaemonClient(short_dir / "rude.sock", timeout=5)
+        assert c.available() is False
+        with pytest.raises(DaemonError, match="is this socket an edge-agent daemon") as err:
+            c.health()
+        assert err.value.code == "protocol"
+        t.join(10)
+
+
+def test_timeout_is_a_daemon_error(short_dir: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:  # listens, never answers
+        silent.bind(str(short_dir / "silent.sock"))
+        silent.listen()
+        with pytest.raises(DaemonError, match=r"no answer within 0\.2 s") as err:
+            DaemonClient(short_dir / "silent.sock", timeout=0.2).health()
+        assert err.value.code == "timeout"
+
+
+# ----- the CLI ---------------------------------------------------------------------------------
+
+
+def test_status_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = str(daemon.server_address)
+    assert cli.main(["status", "--socket", sock]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"edge-agent: serving (HTTP 200, socket {sock})")
+    assert "queue:       depth=1, max=64" in out
+    assert "smollm2" in out and "serving" in out and "max_batch=8" in out
+    assert cli.main(["status", "--json", "--socket", sock]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == {"available": True, "socket": sock, "http_status": 200, "health": HEALTH}
+    daemon.health_code = 503
+    assert cli.main(["status", "--socket", sock]) == 1  # not serving yet
+
+
+def test_status_when_daemon_is_down(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = str(short_dir / "none.sock")
+    assert cli.main(["status", "--socket", sock]) == 1
+    assert "Hint: start the daemon" in capsys.readouterr().err
+    assert cli.main(["status", "--json", "--socket", sock]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["available"] is False and doc["error"]["code"] == "unavailable"
+
+
+def test_status_socket_from_configuration(daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EDGE_AGENT_SERVER__SOCKET", str(daemon.server_address))
+    assert cli.main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["socket"] == str(daemon.server_address)
+
+
+def test_models_command(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = str(daemon.server_address)
+    assert cli.main(["models", "--socket", sock]) == 0
+    assert capsys.readouterr().out.split() == ["smollm2", "state=serving,", "context=2048"]
+    assert cli.main(["models", "--json", "--socket", sock]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["id"] == "smollm2"
+
+
+def test_chat_keeps_the_conversation(daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nagain\n/exit\nnever sent\n"))
+    assert cli.main(["chat", "--socket", str(daemon.server_address), "--system", "Be brief.",
+                     "--max-tokens", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == "Echo: hello\nEcho: again\n"
+    posts = [r for r in daemon.requests if r[0] == "POST"]
+    assert len(posts) == 2
+    last = posts[-1][2]
+    assert last["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Echo: hello"},
+        {"role": "user", "content": "again"},
+    ]
+    assert last["max_tokens"] == 5 and last["seed"] == 3 and "temperature" not in last
+
+
+def test_chat_reset_and_errors(daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch,
+                               short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\n/reset\ntwo\n"))
+    assert cli.main(["chat", "--socket", str(daemon.server_address)]) == 0
+    assert daemon.requests[-1][2]["messages"] == [{"role": "user", "content": "two"}]
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert cli.main(["chat", "--socket", str(short_dir / "none.sock")]) == 1
+    assert "Hint: start the daemon" in capsys.readouterr().err
