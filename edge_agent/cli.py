@@ -20,7 +20,8 @@ from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, EdgeAgentError
 __all__ = ["build_parser", "main", "main_entry", "COMMAND_MODULES"]
 
 # Order here is the order in `edge-agent --help`.
-COMMAND_MODULES = ("model", "tokenize", "generate", "serve", "client", "systemd", "flash")
+COMMAND_MODULES = ("model", "tokenize", "generate", "serve", "client", "systemd", "flash",
+                   "doctor", "cgroup")
 
 
 def build_parser() -> argparse.ArgumentParser:
