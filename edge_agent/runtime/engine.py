@@ -1,0 +1,329 @@
+"""Engine: prepared + pinned weights, tokenizer, llama forward and KV pool behind a step API.
+
+The daemon's runner process drives it with `add` (prefill, first token), `step` (one batched
+decode step over any subset of active sequences) and `release`; `generate` / `stream_text` are
+the one-request conveniences used by `edge-agent generate`.
+
+Invariants this module owns:
+- The KV pool is allocated once, in the constructor, for max_batch × context tokens; at most
+  max_batch sequences are active; a sequence never grows past `context` tokens.
+- `step` is all-or-nothing: every argument is checked and every KV block the step needs is
+  available before the forward runs; on an error no sequence has advanced.
+- The token sampled for generation index i of a sequence uses `sample(..., position=i)`, so the
+  same (prompt, params) give the same tokens whatever the batch they were decoded in.
+- BLAS threads are limited to `threads` around every forward (threadpoolctl), restoring the
+  process setting afterwards; the runner chooses, the machine's default does not.
+- `release` returns every block of the sequence; `close` releases everything and unmaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.errors import EdgeAgentError
+from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
+from edge_agent.runtime.model import Llama, ModelConfig
+from edge_agent.runtime.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from edge_agent.runtime.tokenizer import Tokenizer
+    from edge_agent.runtime.weights import PinnedWeights
+
+__all__ = ["Engine", "EngineError", "DEFAULT_THREADS", "blas_info", "greedy_ids"]
+
+# One BLAS thread: on a shared 2-core board, 2 threads collapse under contention (MEASURED.md);
+# batching, not threads, is where the throughput comes from.
+DEFAULT_THREADS = 1
+
+
+class EngineError(EdgeAgentError):
+    """A request the engine cannot take (unknown/duplicate sequence, batch full, bad ids)."""
+
+
+def _controller() -> Any:
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # optional: without it the process default thread count applies
+        return None
+    return ThreadpoolController()
+
+
+def blas_info() -> list[dict[str, Any]]:
+    """threadpoolctl's view of the BLAS libraries (kernel `architecture`, `num_threads`)."""
+    ctl = _controller()
+    return [] if ctl is None else [i for i in ctl.info() if i.get("user_api") == "blas"]
+
+
+@dataclass
+class _Seq:
+    table: BlockTable
+    params: SamplingParams
+    last: int  # last sampled token, fed by the next step
+    generated: int  # tokens sampled so far (the next one is generation index `generated`)
+
+
+class Engine:
+    """A loaded model ready to serve up to `max_batch` sequences of up to `context` tokens."""
+
+    def __init__(
+        self,
+        model: Llama,
+        *,
+        tokenizer: Tokenizer | None = None,
+        max_batch: int = 8,
+        context: int = 2048,
+        threads: int = DEFAULT_THREADS,
+        weights: PinnedWeights | None = None,
+    ) -> None:
+        if max_batch < 1 or context < 2 or threads < 1:
+            raise EngineError(
+                f"engine: max_batch {max_batch}, context {context}, threads {threads} must be "
+                ">= 1, >= 2 and >= 1. Hint: fix the model's settings in the config."
+            )
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.weights = weights
+        self.max_batch = max_batch
+        self.context = min(context, model.config.context_length)
+        self.threads = threads
+        self.pool = model.new_pool(max_batch * blocks_for(self.context))
+        self._seqs: dict[str, _Seq] = {}
+        self._ctl = _controller()
+        self._ids = itertools.count()
+        # End-of-generation ids (eos, eot, ...): a completion stops before them.
+        eos = None if tokenizer is None else tokenizer.eos_id
+        eog = getattr(tokenizer, "eog_ids", None) or ({eos} if eos is not None else set())
+        self.stop_ids: frozenset[int] = frozenset(int(i) for i in eog)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str | os.PathLike[str] | None = None,
+        *,
+        state_dir: str | os.PathLike[str],
+        dtype: str = "f32",
+        mlock: str = "best-effort",
+        max_batch: int = 8,
+        context: int = 2048,
+        threads: int = DEFAULT_THREADS,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Engine:
+        """Prepare (once) and pin the weights of `model_path` (default model if None), build
+        the tokenizer from the pinned metadata and the forward over the pinned views."""
+        from edge_agent.paths import default_model_path
+        from edge_agent.runtime.prepare import prepare_model
+        from edge_agent.runtime.tokenizer import Tokenizer
+        from edge_agent.runtime.weights import PinnedWeights
+
+        src = Path(model_path) if model_path is not None else default_model_path()
+        prepared = prepare_model(src, Path(state_dir), dtype=dtype, progress=progress)
+        weights = PinnedWeights.open(prepared, mlock=mlock)
+        try:
+            where = str(prepared)
+            config = ModelConfig.from_metadata(weights.metadata, source=where)
+            tokenizer = Tokenizer.from_metadata(weights.metadata, source=where)
+            model = Llama(config, weights.tensors, source=where)
+            return cls(model, tokenizer=tokenizer, max_batch=max_batch, context=context,
+                       threads=threads, weights=weights)
+        except BaseException:
+            weights.close()
+            raise
+
+    def close(self) -> None:
+        for seq_id in list(self._seqs):
+            self.release(seq_id)
+        if self.weights is not None:
+            del self.model  # drop the views before unmapping (PinnedWeights.close)
+            self.weights.close()
+            self.weights = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free_blocks
+
+    @property
+    def active(self) -> list[str]:
+        return list(self._seqs)
+
+    def length(self, seq_id: str) -> int:
+        """Tokens of `seq_id` in the KV cache (prompt + fed tokens)."""
+        return self._get(seq_id).table.length
+
+    def _get(self, seq_id: str) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise EngineError(
+                f"engine: no active sequence {seq_id!r} ({len(self._seqs)} active). "
+                "Hint: add() it first; it may have been released."
+            ) from None
+
+    def _limits(self) -> contextlib.AbstractContextManager[Any]:
+        if self._ctl is None:
+            return contextlib.nullcontext()
+        return self._ctl.limit(limits=self.threads, user_api="blas")
+
+    # -- step API -------------------------------------------------------------------------
+
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """Prefill `prompt_ids` as a new sequence; return its first sampled token."""
+        if seq_id in self._seqs:
+            raise EngineError(f"engine: sequence {seq_id!r} is already active. Hint: release() "
+                              "it first or use a new id.")
+        if len(self._seqs) >= self.max_batch:
+            raise EngineError(
+                f"engine: {len(self._seqs)} sequences active, max_batch is {self.max_batch}; "
+                f"cannot add {seq_id!r}. Hint: wait for one to finish or raise max_batch."
+            )
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise EngineError(f"engine: sequence {seq_id!r} has an empty prompt. Hint: pass at "
+                              "least one token id.")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise EngineError(
+                f"engine: prompt of {seq_id!r} holds token id {bad[0]} outside the vocabulary "
+                f"0..{self.config.vocab_size - 1}. Hint: encode text with this model's tokenizer."
+            )
+        if len(ids) >= self.context:
+            raise EngineError(
+                f"engine: prompt of {seq_id!r} has {len(ids)} tokens; the context is "
+                f"{self.context} and at least one must remain to generate. Hint: shorten the "
+                "prompt or load the model with a larger context."
+            )
+        table = BlockTable()
+        try:
+            with self._limits():
+                logits = self.model.prefill(ids, table, self.pool)  # (V,)
+        except BaseException:
+            self.pool.release(table)
+            raise
+        token = sample(logits, params, 0)
+        self._seqs[seq_id] = _Seq(table=table, params=params, last=token, generated=1)
+        return token
+
+    def step(self, seq_ids: Sequence[str]) -> dict[str, int]:
+        """One batched decode step: feed each sequence's last token, sample the next."""
+        if not seq_ids:
+            return {}
+        if len(set(seq_ids)) != len(seq_ids):
+            raise EngineError(f"engine: step() got a sequence twice in {list(seq_ids)!r}. "
+                              "Hint: pass each active sequence at most once.")
+        seqs = [self._get(s) for s in seq_ids]
+        full = [s for s, q in zip(seq_ids, seqs, strict=True) if q.table.length + 1 > self.context]
+        if full:
+            raise EngineError(
+                f"engine: sequence {full[0]!r} has reached the context of {self.context} "
+                "tokens. Hint: release it (finish the request) or load a larger context."
+            )
+        need = sum(
+            max(0, blocks_for(q.table.length + 1, self.pool.block_size) - len(q.table.blocks))
+            for q in seqs
+        )
+        if need > self.pool.free_blocks:
+            raise KVCacheExhaustedError(
+                f"KV cache: a step of {len(seqs)} sequences needs {need} new block(s) of "
+                f"{self.pool.block_size} tokens, {self.pool.free_blocks} of "
+                f"{self.pool.n_blocks} are free. Hint: release finished sequences or lower the "
+                "batch size."
+            )
+        with self._limits():
+            logits = self.model.decode([q.last for q in seqs], [q.table for q in seqs],
+                                       self.pool)  # (B, V)
+        out: dict[str, int] = {}
+        for row, (seq_id, q) in enumerate(zip(seq_ids, seqs, strict=True)):
+            q.last = sample(logits[row], q.params, q.generated)
+            q.generated += 1
+            out[seq_id] = q.last
+        return out
+
+    def release(self, seq_id: str) -> None:
+        """Forget `seq_id` and return its KV blocks (unknown ids are ignored)."""
+        q = self._seqs.pop(seq_id, None)
+        if q is not None:
+            self.pool.release(q.table)
+
+    # -- one-request conveniences ---------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Token ids of one completion: stops after max_tokens, or before a stop token
+        (eos) unless params.ignore_eos. Releases its blocks when exhausted or closed."""
+        seq_id = f"_generate-{next(self._ids)}"
+        try:
+            token = self.add(seq_id, prompt_ids, params)
+            for n in range(1, params.max_tokens + 1):
+                if token in self.stop_ids and not params.ignore_eos:
+                    return
+                yield token
+                if n == params.max_tokens or self.length(seq_id) + 1 > self.context:
+                    return
+                token = self.step([seq_id])[seq_id]
+        finally:
+            self.release(seq_id)
+
+    def stream_text(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Iterator[str]:
+        """Text pieces of one completion, whole UTF-8 characters only, cut before the first
+        of params.stop (text held back only as long as it could still start a stop string).
+        `on_token(id)` sees every generated token id."""
+        if self.tokenizer is None:
+            raise EngineError("engine: stream_text needs a tokenizer. Hint: use Engine.load().")
+        from edge_agent.runtime.tokenizer import IncrementalDecoder
+
+        decoder = IncrementalDecoder(self.tokenizer)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        pending = ""
+        tokens = self.generate(prompt_ids, params)
+        try:
+            for token in tokens:
+                if on_token is not None:
+                    on_token(token)
+                pending += decoder.push(token)
+                cut = _find_stop(pending, params.stop)
+                if cut is not None:
+                    if pending[:cut]:
+                        yield pending[:cut]
+                    return
+                if len(pending) > hold:
+                    yield pending[: len(pending) - hold]
+                    pending = pending[len(pending) - hold :]
+            pending += decoder.flush()
+            cut = _find_stop(pending, params.stop)
+            pending = pending if cut is None else pending[:cut]
+            if pending:
+                yield pending
+        finally:
+            tokens.close()
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def greedy_ids(engine: Engine, prompt_ids: Sequence[int], n: int) -> list[int]:
+    """n greedy tokens, eos ignored (reference comparisons)."""
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return [int(t) for t in engine.generate(prompt_ids, params)]

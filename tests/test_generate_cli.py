@@ -1,0 +1,93 @@
+"""`edge-agent generate`: completion alone on stdout, diagnostics on stderr, exit codes."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from edge_agent.cli import main
+
+STORY = "Once upon a time, in a small village by the sea,"
+
+
+def _run(state, *argv, capsys):
+    code = main(["--state-dir", str(state), "generate", "--mlock", "off", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_stdout_is_exactly_the_completion(prepared_state_dir, tokenizer, reference_logits):
+    expected = tokenizer.decode(reference_logits["story__generated_ids"][:8].tolist())
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_agent", "--state-dir", str(prepared_state_dir),
+         "generate", "--max-tokens", "8", STORY],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected
+    assert "weights 513.1 MiB: " in proc.stderr and "VmLck" in proc.stderr
+
+
+def test_chat_prompt_uses_the_template_and_stops_at_eos(prepared_state_dir, capsys):
+    code, out, err = _run(prepared_state_dir, "--chat", "-v", "What is the capital of France?",
+                          capsys=capsys)
+    assert code == 0
+    assert out == "The capital of France is Paris."
+    assert "not locked (mlock policy off)" in err
+    assert "prompt 37 tokens; 7 tokens in" in err  # the reference chat prompt is 37 tokens
+
+
+def test_stop_text_and_prompt_from_stdin(prepared_state_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?"))
+    code, out, _ = _run(prepared_state_dir, "--chat", "--stop", "Paris", "-", capsys=capsys)
+    assert (code, out) == (0, "The capital of France is ")
+
+
+def test_seeded_sampling_is_reproducible(prepared_state_dir, capsys):
+    args = ("--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--max-tokens", "12")
+    a = _run(prepared_state_dir, *args, "--seed", "5", STORY, capsys=capsys)
+    b = _run(prepared_state_dir, *args, "--seed", "5", STORY, capsys=capsys)
+    c = _run(prepared_state_dir, *args, "--seed", "6", STORY, capsys=capsys)
+    assert a[0] == b[0] == c[0] == 0
+    assert a[1] == b[1] and a[1] != c[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--temperature", "-1", "x"], "temperature -1.0 must be a finite number >= 0"),
+        (["--top-p", "2", "x"], "top_p 2.0 must be in (0, 1]"),
+        (["--top-k", "-3", "x"], "top_k -3 must be an integer >= 0"),
+        (["--max-tokens", "0", "x"], "max_tokens 0 must be an integer >= 1"),
+        (["--threads", "0", "x"], "--threads 0 must be >= 1"),
+        ([""], "the prompt is empty"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_hint(tmp_path, capsys, argv, fragment):
+    code, out, err = _run(tmp_path, *argv, capsys=capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("edge-agent: error: ") and fragment in err and "Hint:" in err
+
+
+def test_bad_model_file_exits_1_naming_it(tmp_path, capsys):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x7fELF" + bytes(100))
+    code, out, err = _run(tmp_path, "--model", str(junk), "hello", capsys=capsys)
+    assert code == 1 and out == ""
+    assert f"{junk}: not a GGUF file (magic b'\\x7fELF'" in err and "Hint:" in err
+    missing = tmp_path / "nope.gguf"
+    code, out, err = _run(tmp_path, "--model", str(missing), "hello", capsys=capsys)
+    assert code == 1 and out == "" and str(missing) in err and "Hint:" in err
+
+
+def test_help_lists_the_sampling_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--chat",
+                 "--mlock", "--dtype", "--local", "PROMPT"):
+        assert flag in out

@@ -1,0 +1,254 @@
+"""`edge-agent model prepare|info|pin`: output on stdout, progress on stderr, exit codes, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.cli import main
+from edge_agent.commands.model import StderrProgress
+from edge_agent.runtime import memlock
+from edge_agent.runtime.prepare import PreparedInfo
+
+Tiny = tuple[Path, dict[str, np.ndarray]]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- prepare ------------------------------------------------------------------------------------
+
+
+def test_prepare_json_then_reuse(tiny_gguf: Tiny, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    state = tmp_path / "state"
+    rc, out, err = _run(capsys, "--state-dir", str(state), "model", "prepare", str(src), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    path = Path(doc["path"])
+    info = PreparedInfo.read(path)
+    assert path.parent == state / "models"
+    assert doc["reused"] is False and doc["dtype"] == "f32" and doc["tensors"] == 5
+    assert (doc["file_bytes"], doc["weight_bytes"]) == (info.file_size, info.weight_bytes)
+    assert doc["source"] == {"path": str(src), "sha256": info.source_sha256,
+                             "size": src.stat().st_size}
+    lines = err.splitlines()  # not a tty: plain lines, first and last always printed
+    assert lines[0].startswith("preparing tiny.gguf (f32): 0% 0.0/0.0 MiB")
+    assert lines[-1].startswith("preparing tiny.gguf (f32): 100% ")
+    rc, out, err = _run(capsys, "--state-dir", str(state), "model", "prepare", str(src), "--json")
+    assert rc == 0 and json.loads(out)["reused"] is True and err == ""
+
+
+def test_prepare_human_output(tiny_gguf: Tiny, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src),
+                        "--dtype", "f16")
+    assert rc == 0
+    path = Path(out.strip())
+    assert out == f"{path}\n" and path.name.endswith("-f16.weights") and path.exists()
+    assert "prepared in " in err and str(path) in err
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src),
+                        "--dtype", "f16")
+    assert rc == 0 and out == f"{path}\n" and err.startswith(f"reusing {path} (")
+    inode = path.stat().st_ino
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src),
+                      "--dtype", "f16", "--force")
+    assert rc == 0 and path.stat().st_ino != inode
+
+
+def test_prepare_default_model_reuses(prepared_state_dir: Path, prepared_f32_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--state-dir", str(prepared_state_dir), "model", "prepare", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["reused"] is True and doc["path"] == str(prepared_f32_path)
+
+
+def test_prepare_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare",
+                        str(tmp_path / "absent.gguf"))
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"edge-agent: error: {tmp_path / 'absent.gguf'}: cannot open model "
+                          "file: No such file or directory. Hint:")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"\x7fELF" + bytes(60))
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(bad))
+    assert (rc, out) == (1, "")
+    assert f"{bad}: not a GGUF file (magic b'\\x7fELF', expected b'GGUF')" in err
+
+
+def test_prepare_corrupt_existing_then_force(tiny_gguf: Tiny, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src))
+    path = Path(out.strip())
+    os.truncate(path, 5000)
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src))
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"edge-agent: error: {path}: not a usable prepared weights file: size "
+                          "is 5000 bytes")
+    assert "Hint: run `edge-agent model prepare --force`" in err
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src),
+                      "--force")
+    assert rc == 0 and PreparedInfo.read(path).file_size == path.stat().st_size
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "model")
+    assert rc == 2 and out == "" and "prepare" in err and "info" in err and "pin" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["model", "prepare", "--dtype", "bf16"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'bf16'" in capsys.readouterr().err
+
+
+# -- info ---------------------------------------------------------------------------------------
+
+
+def test_info_json_real_model(prepared_state_dir: Path, prepared_f32_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--state-dir", str(prepared_state_dir), "model", "info", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["architecture"] == "llama" and doc["gguf_version"] == 3
+    assert doc["parameters"] == 134_515_008 and doc["tensor_count"] == 272
+    assert doc["file_bytes"] == 98_362_432
+    assert {k: v["tensors"] for k, v in doc["quantization"].items()} == {
+        "Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert doc["hyperparameters"] == {
+        "context_length": 8192, "n_layers": 30, "dim": 576, "ffn_dim": 1536, "n_heads": 9,
+        "n_kv_heads": 3, "head_dim": 64, "rope_base": 100000.0,
+        "rms_eps": pytest.approx(1e-5), "vocab_size": 49152}
+    tok = doc["tokenizer"]
+    assert (tok["model"], tok["pre"], tok["vocab_size"], tok["merges"]) == (
+        "gpt2", "smollm", 49152, 48900)
+    assert tok["bos"] == {"id": 1, "token": "<|im_start|>"}
+    assert tok["eos"] == {"id": 2, "token": "<|im_end|>"}
+    assert doc["prepared_bytes"]["f32"] == prepared_f32_path.stat().st_size
+    assert doc["prepared_bytes"]["f16"] < doc["prepared_bytes"]["f32"] // 2 + 2 * 1024 * 1024
+    f32, f16 = doc["prepared"]
+    assert f32 == {"dtype": "f32", "path": str(prepared_f32_path), "exists": True,
+                   "matches_source": True, "error": None}
+    assert (f16["dtype"], f16["exists"], f16["matches_source"]) == ("f16", False, False)
+    env = memlock.memlock_env()
+    assert doc["mlock"]["rlimit_memlock_soft"] == env.rlimit_soft
+    assert doc["mlock"]["cap_ipc_lock"] == env.cap_ipc_lock
+
+
+def test_info_human_and_invalid_prepared(tiny_gguf: Tiny, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    _, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src))
+    path = Path(out.strip())
+    with open(path, "r+b") as f:
+        f.write(b"XXXX")
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(src))
+    assert rc == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines() if not line.startswith("prep"))
+    assert rows["architecture"] == "llama"
+    assert rows["parameters"] == f"{64 * 32 + 32 * 32 + 64 * 32 + 16 * 32 + 32:,}"
+    assert rows["context"] == "256"
+    assert rows["tokenizer"] == ("gpt2 (pre smollm), vocab 7, merges 1, bos 1 '<|im_start|>', "
+                                 "eos 2 '<|im_end|>'")
+    assert f"prepared f32     {path} INVALID: {path}: not a prepared weights file" in out
+    assert "prepared f16     " in out and "missing (run `edge-agent model prepare --dtype f16`)" \
+        in out
+    assert out.splitlines()[-1].startswith("mlock            RLIMIT_MEMLOCK soft ")
+
+
+def test_info_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "model", "info", str(tmp_path / "m.gguf"), "--json")
+    assert (rc, out) == (1, "") and "m.gguf: cannot open model file" in err
+
+
+# -- pin ----------------------------------------------------------------------------------------
+
+
+def test_pin(tiny_gguf: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    rc, out, err = _run(capsys, "--state-dir", str(tmp_path), "model", "pin", str(src))
+    assert (rc, out) == (1, "")
+    assert "no prepared f32 weights in" in err and "Hint: run `edge-agent model prepare" in err
+    _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src))
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "pin", str(src), "--json")
+    doc = json.loads(out)
+    can = memlock.memlock_env().can_lock(28_672)
+    assert rc == (0 if can else 1) and doc["locked"] is can and doc["weight_bytes"] == 22_656
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "pin", str(src),
+                      "--mlock", "off")
+    assert rc == 0 and "not locked (mlock policy off)" in out
+
+
+def test_pin_required_refused_in_a_child_without_cap_ipc_lock(
+        tiny_gguf: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, _ = tiny_gguf
+    _run(capsys, "--state-dir", str(tmp_path), "model", "prepare", str(src))
+    prefix: list[str] = []
+    if memlock.memlock_env().cap_ipc_lock is not False:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("LOUD SKIP: CAP_IPC_LOCK is held and `setpriv` (util-linux) is missing")
+        prefix = [setpriv, "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, 4096)); "
+            "from edge_agent.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", code, "--state-dir", str(tmp_path), "model", "pin",
+         str(src), "--mlock", "required"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.startswith("edge-agent: error: mlock of 28,672 bytes (28.0 KiB) of "
+                                  "weights in ")
+    assert "ENOMEM" in proc.stderr and "LimitMEMLOCK=infinity" in proc.stderr
+
+
+# -- progress bar -------------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_tty() -> None:
+    stream, now = _Tty(), [0.0]
+    bar = StderrProgress("prep", stream, clock=lambda: now[0], width=10)
+    mib = 1024 * 1024
+    bar(0, 100 * mib)
+    now[0] = 0.05
+    bar(10 * mib, 100 * mib)  # within the 0.1 s interval: not drawn
+    now[0] = 1.0
+    bar(50 * mib, 100 * mib)
+    now[0] = 2.0
+    bar(100 * mib, 100 * mib)
+    bar(100 * mib, 100 * mib)  # after the end: nothing
+    assert stream.getvalue() == (
+        "\rprep [..........] 0.0/100.0 MiB, -- MiB/s"
+        "\rprep [#####.....] 50.0/100.0 MiB, 50 MiB/s"
+        "\rprep [##########] 100.0/100.0 MiB, 50 MiB/s\n")
+
+
+def test_progress_lines_when_not_a_tty() -> None:
+    stream, now = io.StringIO(), [0.0]
+    bar = StderrProgress("prep", stream, clock=lambda: now[0])
+    for i in range(0, 11):
+        now[0] = i * 0.5
+        bar(i, 10)
+    assert stream.getvalue().splitlines() == [
+        "prep: 0% 0.0/0.0 MiB, -- MiB/s",
+        "prep: 40% 0.0/0.0 MiB, 0 MiB/s",
+        "prep: 80% 0.0/0.0 MiB, 0 MiB/s",
+        "prep: 100% 0.0/0.0 MiB, 0 MiB/s",
+    ]
