@@ -10,7 +10,7 @@ the last prompt position again), as
   - `NAME__top_ids` / `NAME__top_vals`: the reference's 32 largest logits of every row,
 plus input ids and the 32 greedy ids. About 2.3 MB.
 
-Usage: python dev/reference_subset.py FULL.npz tests/data/reference_logits.npz
+Usage: python tests/data/reference_subset.py FULL.npz tests/data/reference_logits.npz
 """
 
 from __future__ import annotations
