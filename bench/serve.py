@@ -1,0 +1,181 @@
+"""Benchmark the daemon over its Unix socket against the runtime's own batched throughput.
+
+Starts `python -m edge_agent serve` (default model, max_batch 16, context 512), waits for
+READY=1 on a notify socket it owns, then for each concurrency C in 1, 4, 8, 16: C clients each
+stream one completion (64 tokens, temperature 0, distinct prompts) at the same time. Reports
+aggregate tok/s, latency p50/p95, TTFT p50/p95, and the ratio of the daemon's aggregate tok/s to
+the in-process Engine decoding the same C prompts as one batch (measured in the same run, while
+the daemon is idle). Targets: ratio >= 0.90; aggregate at 8 >= 5x aggregate at 1.
+
+    .venv/bin/python bench/serve.py [--state-dir .state] [--tokens 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOPICS = ["a lighthouse keeper", "a lost robot", "a desert town", "an old violin",
+          "a mountain train", "a clockmaker", "a red kite", "a sunken ship", "a night market",
+          "a snow leopard", "a paper boat", "a glass garden", "a quiet library",
+          "a river pilot", "a copper key", "a winter festival"]
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=600)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.unix_path)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Once upon a time, {TOPICS[i % len(TOPICS)]}" for i in range(n)]
+
+
+def one_client(sock: str, prompt: str, tokens: int, out: dict[str, float], start: float) -> None:
+    conn = UnixHTTPConnection(sock)
+    body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "stream": True})
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    rid = None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "ttft" not in out and chunk["choices"][0].get("text"):
+            out["ttft"] = time.perf_counter() - start
+        rid = chunk.get("id", rid)
+    out["latency"] = time.perf_counter() - start
+    conn.close()
+    conn = UnixHTTPConnection(sock)
+    conn.request("GET", f"/v1/requests/{rid}")
+    out["tokens"] = json.loads(conn.getresponse().read())["completion_tokens"]
+    conn.close()
+
+
+def daemon_round(sock: str, c: int, tokens: int) -> dict[str, Any]:
+    results: list[dict[str, float]] = [{} for _ in range(c)]
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one_client, args=(sock, p, tokens, results[i], start))
+               for i, p in enumerate(prompts(c))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    total = sum(r["tokens"] for r in results)
+    lat = sorted(r["latency"] for r in results)
+    ttft = sorted(r.get("ttft", r["latency"]) for r in results)
+    return {"concurrency": c, "tokens": total, "wall_s": wall, "tok_s": total / wall,
+            "latency_p50": pct(lat, 50), "latency_p95": pct(lat, 95),
+            "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95)}
+
+
+def pct(xs: list[float], p: int) -> float:
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1]
+
+
+def runtime_round(state_dir: Path, c: int, tokens: int) -> dict[str, Any]:
+    """The Engine decoding the same prompts as one batch: prefill each, then batched steps."""
+    from edge_agent.runtime.engine import Engine
+    from edge_agent.runtime.sampling import SamplingParams
+
+    with Engine.load(state_dir=state_dir, mlock="off", max_batch=c, context=512) as engine:
+        tok = engine.tokenizer
+        assert tok is not None
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        ids = [f"s{i}" for i in range(c)]
+        for sid, p in zip(ids, prompts(c), strict=True):
+            engine.add(sid, tok.encode(p), params)
+        for _ in range(tokens - 1):
+            engine.step(ids)
+        wall = time.perf_counter() - start
+    return {"tokens": c * tokens, "wall_s": wall, "tok_s": c * tokens / wall}
+
+
+def start_daemon(root: Path, state_dir: Path, max_batch: int) -> tuple[subprocess.Popen, Path]:
+    sock = root / "bench.sock"
+    cfg = root / "config.toml"
+    cfg.write_text(f'[server]\nsocket = "{sock}"\nstate_dir = "{state_dir.resolve()}"\n'
+                   f"[scheduler]\nqueue_max = 64\nmax_batch_size = {max_batch}\n"
+                   f"[models.smollm2]\ncontext = 512\nmax_batch = {max_batch}\npreload = true\n")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(root / "notify.sock"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    env["NOTIFY_SOCKET"] = str(root / "notify.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config", str(cfg)],
+                            cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    notify.settimeout(600)
+    while b"READY=1" not in notify.recv(4096).split(b"\n"):
+        pass
+    notify.close()
+    return proc, sock
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--state-dir", default=str(REPO / ".state"))
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="ea-bench-", dir="/tmp"))
+    proc, sock = start_daemon(root, Path(args.state_dir), max(levels))
+    rows = []
+    try:
+        daemon_round(str(sock), 1, 8)  # warm the path
+        for c in levels:
+            d = daemon_round(str(sock), c, args.tokens)
+            r = runtime_round(Path(args.state_dir), c, args.tokens)
+            d["runtime_tok_s"] = r["tok_s"]
+            d["ratio"] = d["tok_s"] / r["tok_s"]
+            rows.append(d)
+            print(f"C={c}: daemon {d['tok_s']:.1f} tok/s, runtime {r['tok_s']:.1f} tok/s",
+                  file=sys.stderr)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
+    base = rows[0]["tok_s"]
+    for row in rows:
+        row["scaling_vs_c1"] = row["tok_s"] / base
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| concurrency | tok/s | x C=1 | runtime tok/s | daemon/runtime | latency p50/p95 s "
+          "| TTFT p50/p95 s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['scaling_vs_c1']:.2f} | "
+              f"{r['runtime_tok_s']:.1f} | {r['ratio'] * 100:.0f} % | "
+              f"{r['latency_p50']:.2f} / {r['latency_p95']:.2f} | "
+              f"{r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Composition root: startup, main loop, shutdown of `edge-agent serve` (uvicorn's shape).
+
+Invariants owned here:
+- Signal handlers only set flags (`request_exit`); all work happens in the main loop.
+- The socket listens before models load (so /health can answer 503 "loading"); READY=1 is sent
+  only when every `preload = true` model has settled (serving, or failed with its reason in
+  STATUS= and /health). EXTEND_TIMEOUT_USEC is sent while a load makes progress.
+- WATCHDOG=1 is sent from the main loop at half of WATCHDOG_USEC, so a stuck loop is caught.
+- Every accepted request ends with an answer: done, cancelled, expired (504 naming queued and
+  ran time), failed (503/500). On SIGTERM: STOPPING=1, queued requests are answered 503, running
+  ones get up to `server.drain_timeout_s` to finish, then are cancelled; runners are stopped and
+  reaped; the socket file is removed; `serve()` returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from edge_agent.daemon.metrics import Metrics
+from edge_agent.daemon.requests import RequestRecord
+from edge_agent.daemon.sdnotify import Notifier, NotifyError, listen_fds, watchdog_interval
+from edge_agent.daemon.service import ModelService
+from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler, SchedulerConfig
+from edge_agent.transports.http import HttpServer
+
+__all__ = ["Daemon"]
+
+EXTEND_USEC = 30_000_000
+
+
+class Daemon:
+    def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ) -> None:
+        from edge_agent.daemon.routes import Router
+
+        self.config = config
+        self.env = dict(env)
+        self.state_dir = Path(config.server.state_dir)
+        self.scheduler = Scheduler(SchedulerConfig(**config.scheduler.as_kwargs()))
+        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.metrics = Metrics()
+        self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
+        self.notifier = _SafeNotifier(Notifier.from_env(self.env), self.log)
+        self.stopping = False
+        self.ready = False
+        self.started = time.monotonic()
+        self._exit = asyncio.Event()
+        self._tick = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._last_extend = 0.0
+        self.http = HttpServer(Router(self).handle, max_body_bytes=config.server.max_body_bytes,
+                               drain_timeout_s=config.server.drain_timeout_s)
+
+    # -- small services for the model loops and routes -----------------------------------------
+    def log(self, text: str) -> None:
+        print(f"edge-agent: {text}", file=sys.stderr, flush=True)
+
+    def request_exit(self) -> None:
+        self._exit.set()
+
+    def notifier_extend(self, status: str) -> None:
+        now = time.monotonic()
+        self.notifier.status(status)
+        if not self.ready and now - self._last_extend > 1.0:
+            self._last_extend = now
+            self.notifier.extend_timeout(EXTEND_USEC)
+
+    def model_settled(self, svc: ModelService) -> None:
+        self._settled.set()
+        self._settled = asyncio.Event()
+        st = svc.lifecycle
+        self.log(f"model {svc.name}: {st.state.value}" + (f" ({st.reason})" if st.reason else ""))
+
+    async def wait_settled(self) -> None:
+        await self._settled.wait()
+
+    def memory_limit(self) -> int:
+        from edge_agent.daemon.routes import cgroup_info
+
+        if self.config.runtime.memory_budget_bytes:
+            return int(self.config.runtime.memory_budget_bytes)
+        limit = cgroup_info().get("memory_max")
+        if isinstance(limit, int):
+            return limit
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def wait_timeout(self, now: float) -> float | None:
+        nxt = self.scheduler.next_wakeup(now)
+        return None if nxt is None else max(0.0, nxt - now)
+
+    def reap(self, now: float) -> None:
+        """Expire jobs past their deadline: answer 504 at once, poke their model loops."""
+        for job in self.scheduler.expire(now):
+            rec = self.records.get(job.id)
+            if rec is not None:
+                rec.finish(None, error=(504, "deadline_exceeded", job.error or "deadline passed"),
+                           queued_s=round(job.queued_s(now), 6),
+                           ran_s=round(job.running_s(now), 6))
+                self.metrics.request_done(rec, "expired")
+            svc = self.services.get(job.model)
+            if svc is not None:
+                svc.poke()
+
+    def complete_record(self, rec: RequestRecord, now: float) -> None:
+        self.scheduler.finish(rec.id, now, JobState.DONE)
+        self.metrics.request_done(rec, "done")
+
+    def fail_record(self, rec: RequestRecord, now: float, status: int, code: str,
+                    message: str) -> None:
+        self.scheduler.finish(rec.id, now, JobState.FAILED, message)
+        rec.finish(None, error=(status, code, message))
+        self.metrics.request_done(rec, "failed")
+
+    def cancel(self, rid: str, why: str = "cancelled by the client") -> RequestRecord | None:
+        rec = self.records.get(rid)
+        if rec is None:
+            return None
+        job = self.scheduler.cancel(rid, time.monotonic())
+        if job is not None:
+            rec.finish("cancelled", cancelled=why)
+            self.metrics.request_done(rec, "cancelled")
+            svc = self.services.get(job.model)
+            if svc is not None:
+                svc.poke()
+        return rec
+
+    def submit(self, req: GenerationRequest) -> RequestRecord:
+        if self.stopping:
+            raise ApiError(503, "shutting_down", "the daemon is shutting down. "
+                           "Hint: retry when it is back (systemd restarts it).",
+                           headers=[("retry-after", "5")])
+        name = req.model or self.config.default_model
+        svc = self.services.get(name)
+        if svc is None:
+            raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
+                           f"(registered: {', '.join(sorted(self.services))}). "
+                           "Hint: GET /v1/models lists them; add a [models.NAME] table.")
+        tok = svc.ensure_tokenizer()
+        if req.chat:
+            assert req.messages is not None
+            prompt_ids = list(tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages]))
+        else:
+            prompt_ids = list(tok.encode(req.prompt or ""))
+        field = "messages" if req.chat else "prompt"
+        if not prompt_ids:
+            raise ApiError(400, "invalid_request", f"field {field!r}: encodes to no tokens. "
+                           "Hint: send some text.")
+        if len(prompt_ids) >= svc.context:
+            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
+                           f"do not fit the context of {svc.context} tokens of model {name!r}. "
+                           "Hint: shorten the prompt or raise the model's context.")
+        now = time.monotonic()
+        job = Job(
+            id=f"req-{uuid.uuid4().hex[:20]}", model=name, prompt_ids=prompt_ids,
+            params=req.sampling_dict(secrets.randbits(32)),
+            priority=req.priority if req.priority is not None else int(svc.entry.priority),
+            deadline_at=None if req.timeout_ms is None else now + req.timeout_ms / 1000.0,
+        )
+        try:
+            self.scheduler.submit(job, now)
+        except QueueFull as exc:
+            self.metrics.requests[(name, "rejected")] += 1
+            raise ApiError(503, "queue_full", str(exc),
+                           headers=[("retry-after", str(int(exc.retry_after_s + 0.999)))]
+                           ) from exc
+        rec = RequestRecord(job=job, request=req, model=name, decoder=_decoder(tok),
+                            prompt_tokens=len(prompt_ids), stop_ids=svc.stop_ids,
+                            context=svc.context)
+        self.records[job.id] = rec
+        self._prune()
+        svc.poke()
+        self._tick.set()
+        return rec
+
+    def _prune(self) -> None:
+        keep = self.scheduler.config.keep_finished
+        while len(self.records) > keep:
+            rid, rec = next(iter(self.records.items()))
+            if not rec.done.is_set():
+                break
+            del self.records[rid]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def serve(self) -> int:
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_exit)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        srv = self.config.server
+        activated = listen_fds(self.env)
+        for sock in activated:
+            await self.http.adopt(sock)
+        if not activated:
+            await self.http.listen_unix(Path(srv.socket), mode=srv.socket_mode,
+                                        group=srv.socket_group or None)
+        where = [str(srv.socket) if not activated else f"{len(activated)} activated socket(s)"]
+        if srv.tcp:
+            host, _, port = srv.tcp.rpartition(":")
+            bound = await self.http.listen_tcp(host or "127.0.0.1", int(port))
+            where.append(f"tcp {host or '127.0.0.1'}:{bound}")
+        self.log(f"listening on {', '.join(where)}")
+        for svc in self.services.values():
+            svc.task = asyncio.create_task(svc.run(), name=f"model-{svc.name}")
+        preload = [s for s in self.services.values() if s.entry.preload]
+        while not all(s.lifecycle.state in (ModelState.IDLE, ModelState.SERVING,
+                                            ModelState.FAILED) for s in preload):
+            if self._exit.is_set():
+                return
+            waiter = asyncio.ensure_future(self.wait_settled())
+            ex = asyncio.ensure_future(self._exit.wait())
+            await asyncio.wait({waiter, ex}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            ex.cancel()
+        self.ready = True
+        states = ", ".join(f"{s.name} {s.lifecycle.state.value}" for s in self.services.values())
+        self.notifier.ready(f"serving on {where[0]}; models: {states}")
+        self.log(f"ready: models: {states}")
+        if not activated:
+            sock = srv.socket
+            self.log(f"try: curl --unix-socket {sock} http://localhost/health ; "
+                     f"curl --unix-socket {sock} http://localhost/v1/chat/completions "
+                     """-d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'""")
+
+    async def main_loop(self) -> None:
+        wd = watchdog_interval(self.env)
+        while not self._exit.is_set():
+            now = time.monotonic()
+            self.reap(now)
+            timeouts = [t for t in (wd, self.wait_timeout(now), 1.0) if t is not None]
+            self._tick.clear()
+            tick = asyncio.ensure_future(self._tick.wait())
+            ex = asyncio.ensure_future(self._exit.wait())
+            await asyncio.wait({tick, ex}, timeout=min(timeouts),
+                               return_when=asyncio.FIRST_COMPLETED)
+            tick.cancel()
+            ex.cancel()
+            if wd is not None:
+                self.notifier.watchdog()
+
+    async def shutdown(self) -> None:
+        self.stopping = True
+        self.notifier.stopping("draining: finishing running requests")
+        self.log("stopping: draining")
+        now = time.monotonic()
+        for svc in self.services.values():
+            for job in self.scheduler.fail_queued(svc.name, now, "daemon shutting down"):
+                rec = self.records.get(job.id)
+                if rec is not None:
+                    rec.finish(None, error=(503, "shutting_down", "the daemon is shutting down "
+                                            "before this request started. Hint: resubmit."))
+            svc.poke()
+        deadline = now + float(self.config.server.drain_timeout_s)
+        http_close = asyncio.ensure_future(self.http.close())
+        while any(s.active for s in self.services.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rec in list(self.records.values()):
+            if not rec.done.is_set():
+                self.cancel(rec.id, why="daemon shutting down (drain timeout)")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic() + 1.0))
+        for svc in self.services.values():
+            svc.poke()
+            if svc.task is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(svc.task), 15.0)
+                if not svc.task.done():
+                    svc.task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await svc.task
+            if svc.runner is not None:
+                await svc.runner.stop()
+        self.notifier.close()
+        self.log("stopped")
+
+
+class _SafeNotifier:
+    """sd_notify that can never stall the event loop: a non-blocking datagram socket (a full
+    notify queue drops the message instead of blocking) and errors logged, not raised."""
+
+    def __init__(self, notifier: Notifier, log: Any) -> None:
+        self._n = notifier
+        self._log = log
+        self._warned = False
+        if notifier.enabled and getattr(notifier, "_sock", None) is None:
+            import socket
+
+            notifier._sock = socket.socket(  # type: ignore[attr-defined]
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._n, name)
+        if name == "close" or not callable(fn):
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except NotifyError as exc:
+                if not self._warned:
+                    self._warned = True
+                    self._log(f"warning: {exc}")
+                return False
+
+        return call
+
+
+def _decoder(tok: Any) -> Any:
+    from edge_agent.runtime.tokenizer import IncrementalDecoder
+
+    return IncrementalDecoder(tok)

@@ -1,0 +1,103 @@
+"""Prometheus text exposition (format 0.0.4) of the daemon's counters and histograms.
+
+Invariants owned here:
+- Counters only go up; histograms are cumulative with a final `+Inf` bucket equal to `_count`.
+- Rendering reads live gauges (queue depth, locked bytes, free KV blocks) through callables
+  passed in, so /metrics never disagrees with /health at the same instant.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Histogram", "Metrics"]
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class Histogram:
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out, acc = [], 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            acc += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {acc}')
+        lab = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{lab} {self.sum:.6f}", f"{name}_count{lab} {self.count}"]
+        return out
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (model, outcome)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.model_events: dict[tuple[str, str], int] = defaultdict(int)
+        self.batch = Histogram(BATCH_BUCKETS)
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.step_seconds = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+    def observe_step(self, model: str, batch: int, tokens: int, step_s: float) -> None:
+        if batch:
+            self.batch.observe(batch)
+            self.step_seconds.observe(step_s)
+        self.tokens[model] += tokens
+
+    def request_done(self, rec: Any, outcome: str) -> None:
+        import time
+
+        self.requests[(rec.model, outcome)] += 1
+        now = time.monotonic()
+        self.latency.observe(now - rec.submitted_mono)
+        if rec.first_token_at is not None:
+            self.ttft.observe(rec.first_token_at - rec.submitted_mono)
+
+    def model_event(self, model: str, event: str) -> None:
+        self.model_events[(model, event)] += 1
+
+    def render(self, gauges: Callable[[], dict[str, list[tuple[str, float]]]]) -> str:
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help_: str) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+
+        family("edge_agent_requests_total", "counter", "Requests finished, by model and outcome.")
+        for (model, outcome), n in sorted(self.requests.items()):
+            lines.append(f'edge_agent_requests_total{{model="{model}",outcome="{outcome}"}} {n}')
+        family("edge_agent_tokens_generated_total", "counter", "Tokens sampled by runners.")
+        for model, n in sorted(self.tokens.items()):
+            lines.append(f'edge_agent_tokens_generated_total{{model="{model}"}} {n}')
+        family("edge_agent_model_events_total", "counter", "Model loads, unloads, failures.")
+        for (model, event), n in sorted(self.model_events.items()):
+            lines.append(f'edge_agent_model_events_total{{model="{model}",event="{event}"}} {n}')
+        family("edge_agent_batch_size", "histogram", "Sequences per runner step.")
+        lines += self.batch.render("edge_agent_batch_size")
+        family("edge_agent_step_seconds", "histogram", "Runner step wall time.")
+        lines += self.step_seconds.render("edge_agent_step_seconds")
+        family("edge_agent_ttft_seconds", "histogram", "Submission to first token.")
+        lines += self.ttft.render("edge_agent_ttft_seconds")
+        family("edge_agent_request_latency_seconds", "histogram", "Submission to completion.")
+        lines += self.latency.render("edge_agent_request_latency_seconds")
+        for name, samples in gauges().items():
+            family(name, "gauge", name.replace("edge_agent_", "").replace("_", " "))
+            for labels, value in samples:
+                lab = f"{{{labels}}}" if labels else ""
+                lines.append(f"{name}{lab} {value:g}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,276 @@
+"""HTTP routes of the daemon: map API requests onto Daemon operations.
+
+Invariants owned here:
+- Every reply is JSON (`{"error": {"code", "message"}}` for errors) except /metrics (Prometheus
+  text) and streams (server-sent events, ending with `data: [DONE]` on the OpenAI routes).
+- A client that goes away (the transport cancels the handler or closes the stream) cancels its
+  request: generation stops at the next step and its KV blocks are released.
+- Unknown paths are 404, known paths with another method 405 (with Allow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.daemon.requests import RequestRecord
+from edge_agent.errors import EdgeAgentError
+from edge_agent.protocol.api import (
+    SSE_DONE,
+    ApiError,
+    completion_chunk,
+    completion_response,
+    parse_generation,
+    sse_event,
+)
+from edge_agent.scheduler import ModelState
+from edge_agent.transports.http import Request, Response, StreamResponse
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.app import Daemon
+
+__all__ = ["Router", "cgroup_info"]
+
+MAX_TOKENS_LIMIT = 8192
+Reply = Response | StreamResponse
+
+
+def _json(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(status, json.dumps(obj, ensure_ascii=False).encode(), headers=headers)
+
+
+def _read_int(path: Path) -> int | str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else text
+
+
+def cgroup_info(root: Path = Path("/sys/fs/cgroup")) -> dict[str, Any]:
+    """This process's cgroup v2 path, memory limit/usage and memory pressure (when readable)."""
+    try:
+        line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.startswith("0::"))
+    except (OSError, StopIteration):
+        return {"available": False}
+    rel = line[3:].strip()
+    d = root / rel.lstrip("/")
+    info: dict[str, Any] = {"available": (d / "cgroup.procs").exists(), "path": rel,
+                            "memory_max": _read_int(d / "memory.max"),
+                            "memory_current": _read_int(d / "memory.current")}
+    try:
+        some = (d / "memory.pressure").read_text().splitlines()[0]
+        info["memory_pressure"] = dict(kv.split("=") for kv in some.split()[1:])
+    except (OSError, IndexError, ValueError):
+        info["memory_pressure"] = None
+    return info
+
+
+class Router:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        R = Callable[..., Awaitable[Reply]]
+        self.routes: list[tuple[re.Pattern[str], dict[str, R]]] = [
+            (re.compile(r"/health"), {"GET": self.health}),
+            (re.compile(r"/metrics"), {"GET": self.metrics}),
+            (re.compile(r"/v1/models"), {"GET": self.models}),
+            (re.compile(r"/v1/models/(?P<name>[^/]+)/(?P<action>load|unload)"),
+             {"POST": self.model_action}),
+            (re.compile(r"/v1/completions"), {"POST": self.completions}),
+            (re.compile(r"/v1/chat/completions"), {"POST": self.chat}),
+            (re.compile(r"/v1/requests"), {"POST": self.create_request}),
+            (re.compile(r"/v1/requests/(?P<rid>[^/]+)"),
+             {"GET": self.get_request, "DELETE": self.delete_request}),
+            (re.compile(r"/v1/requests/(?P<rid>[^/]+)/events"), {"GET": self.events}),
+        ]
+
+    async def handle(self, req: Request) -> Reply:
+        path = req.path.rstrip("/") or "/"
+        try:
+            for pattern, methods in self.routes:
+                m = pattern.fullmatch(path)
+                if m is None:
+                    continue
+                fn = methods.get(req.method)
+                if fn is None:
+                    allow = ", ".join(sorted(methods))
+                    raise ApiError(405, "method_not_allowed", f"{req.method} {path}: method not "
+                                   f"allowed. Hint: use {allow}.", headers=[("allow", allow)])
+                return await fn(req, **m.groupdict())
+            raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
+                           "see GET /health, /metrics, /v1/models, /v1/completions, "
+                           "/v1/chat/completions, /v1/requests.")
+        except ApiError as exc:
+            return Response(exc.status, exc.body(), headers=exc.headers)
+        except EdgeAgentError as exc:
+            return _json(503, {"error": {"code": "unavailable", "message": str(exc)}})
+
+    # -- status --------------------------------------------------------------------------------
+    async def health(self, req: Request) -> Reply:
+        d = self.d
+        status = "stopping" if d.stopping else ("serving" if d.ready else "loading")
+        models = {n: s.to_dict() for n, s in d.services.items()}
+        body = {
+            "status": status, "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - d.started, 3),
+            "models": models,
+            "mlock": {n: s.lock for n, s in d.services.items() if s.lock is not None},
+            "queue": {"depth": d.scheduler.depth, "queue_max": d.scheduler.config.queue_max,
+                      **d.scheduler.counts()},
+            "cgroup": cgroup_info(),
+            "socket": str(d.config.server.socket),
+        }
+        return _json(200 if status == "serving" else 503, body)
+
+    async def metrics(self, req: Request) -> Reply:
+        d = self.d
+
+        def gauges() -> dict[str, list[tuple[str, float]]]:
+            svcs = d.services.values()
+            return {
+                "edge_agent_queue_depth": [("", d.scheduler.depth)],
+                "edge_agent_requests_queued": [(f'model="{s.name}"', d.scheduler.queued(s.name))
+                                               for s in svcs],
+                "edge_agent_requests_running": [(f'model="{s.name}"', len(s.active))
+                                                for s in svcs],
+                "edge_agent_kv_free_blocks": [(f'model="{s.name}"', s.free_blocks)
+                                              for s in svcs if s.free_blocks is not None],
+                "edge_agent_locked_bytes": [(f'model="{s.name}"', s.lock.get("locked_bytes", 0))
+                                            for s in svcs if s.lock],
+                "edge_agent_weight_bytes": [(f'model="{s.name}"', s.lock.get("weight_bytes", 0))
+                                            for s in svcs if s.lock],
+                "edge_agent_model_serving": [
+                    (f'model="{s.name}"', float(s.lifecycle.can_serve)) for s in svcs],
+            }
+
+        return Response(200, d.metrics.render(gauges).encode(),
+                        content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, req: Request) -> Reply:
+        data = [{"id": n, "object": "model", "owned_by": "edge-agent",
+                 "created": 0, "state": s.lifecycle.state.value, "context": s.context,
+                 "max_batch": s.max_batch}
+                for n, s in self.d.services.items()]
+        return _json(200, {"object": "list", "data": data})
+
+    async def model_action(self, req: Request, name: str, action: str) -> Reply:
+        svc = self.d.services.get(name)
+        if svc is None:
+            raise ApiError(404, "model_not_found", f"no model named {name!r}. Hint: GET "
+                           "/v1/models lists them.")
+        if action == "load":
+            if not svc.lifecycle.can_serve:
+                svc.load_requested = True
+                svc.poke()
+                while not svc.lifecycle.can_serve:
+                    await self.d.wait_settled()
+                    if svc.lifecycle.state is ModelState.FAILED:
+                        raise ApiError(503, "model_failed", svc.lifecycle.reason or "load failed")
+        else:
+            if svc.lifecycle.resident:
+                svc.unload_requested = True
+                svc.poke()
+                while svc.lifecycle.resident:
+                    await self.d.wait_settled()
+        return _json(200, svc.to_dict())
+
+    # -- generation ----------------------------------------------------------------------------
+    def _parse(self, req: Request, chat: bool | None) -> Any:
+        return parse_generation(req.body, chat=chat, max_tokens_limit=MAX_TOKENS_LIMIT)
+
+    async def completions(self, req: Request) -> Reply:
+        return await self._generate(self._parse(req, False))
+
+    async def chat(self, req: Request) -> Reply:
+        return await self._generate(self._parse(req, True))
+
+    async def _generate(self, greq: Any) -> Reply:
+        rec = self.d.submit(greq)
+        if greq.stream:
+            return StreamResponse(self._openai_stream(rec))
+        try:
+            await rec.done.wait()
+        finally:
+            if not rec.done.is_set():  # the client hung up: the transport cancelled us
+                self.d.cancel(rec.id, why="client disconnected")
+        return self._final(rec)
+
+    def _final(self, rec: RequestRecord) -> Response:
+        if rec.error is not None:
+            status, code, message = rec.error
+            extra = {k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}
+            err = {"code": code, "message": message, "id": rec.id, **extra}
+            return _json(status, {"error": err})
+        body = completion_response(
+            rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
+            text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
+            completion_tokens=len(rec.tokens))
+        return _json(200, body)
+
+    async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:
+        common = {"rid": rec.id, "model": rec.model, "created": rec.created,
+                  "chat": rec.request.chat}
+        try:
+            first = True
+            async for _, piece in rec.follow(0):
+                if piece or (first and rec.request.chat):
+                    yield sse_event(completion_chunk(text=piece, finish_reason=None,
+                                                     first=first, **common))
+                    first = False
+            if rec.error is not None:
+                status, code, message = rec.error
+                err = {"code": code, "message": message, "status": status,
+                       **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
+                yield sse_event({"error": err})
+            else:
+                yield sse_event(completion_chunk(text=None, finish_reason=rec.finish_reason,
+                                                 first=first, **common))
+            yield SSE_DONE
+        finally:
+            if not rec.done.is_set():
+                self.d.cancel(rec.id, why="client disconnected")
+
+    # -- native requests -----------------------------------------------------------------------
+    def _record(self, rid: str) -> RequestRecord:
+        rec = self.d.records.get(rid)
+        if rec is None:
+            raise ApiError(404, "request_not_found", f"no request with id {rid!r} (unknown, or "
+                           "forgotten after it finished). Hint: use the id POST /v1/requests "
+                           "returned.")
+        return rec
+
+    async def create_request(self, req: Request) -> Reply:
+        greq = self._parse(req, None)
+        rec = self.d.submit(greq)
+        return _json(202, rec.to_dict(time.monotonic()),
+                     headers=(("location", f"/v1/requests/{rec.id}"),))
+
+    async def get_request(self, req: Request, rid: str) -> Reply:
+        return _json(200, self._record(rid).to_dict(time.monotonic()))
+
+    async def delete_request(self, req: Request, rid: str) -> Reply:
+        self._record(rid)
+        rec = self.d.cancel(rid)
+        assert rec is not None
+        await asyncio.sleep(0)
+        return _json(200, rec.to_dict(time.monotonic()))
+
+    async def events(self, req: Request, rid: str) -> Reply:
+        rec = self._record(rid)
+        raw = req.query.get("from", ["0"])[0]
+        if not raw.isdigit():
+            raise ApiError(400, "invalid_request", f"query 'from': {raw!r} is not a token index. "
+                           "Hint: use from=N with N >= 0 (the number of tokens already seen).")
+        return StreamResponse(self._native_stream(rec, int(raw)))
+
+    async def _native_stream(self, rec: RequestRecord, start: int) -> AsyncIterator[bytes]:
+        async for i, piece in rec.follow(start):
+            yield sse_event({"index": i, "text": piece}, event="token", event_id=i)
+        yield sse_event(rec.to_dict(time.monotonic()), event="end")

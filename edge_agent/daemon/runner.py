@@ -1,0 +1,162 @@
+"""The runner child process: `python -m edge_agent.daemon.runner --fd N --model PATH ...`.
+
+One runner serves one model. It loads the Engine (prepared weights pinned in this process, KV
+block pool for max_batch x context), runs a warm-up forward, says `ready`, then executes the
+steps the control plane sends over the inherited socketpair (ipc.py framing) until EOF.
+
+Invariants owned here:
+- The runner is stateless towards the outside: it decides nothing. Each `step` message is
+  executed in order: releases first (free KV blocks), then prefill of added sequences (each
+  returns its first token), then one batched decode step of the listed sequences.
+- Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
+  reported in `errors` for that sequence and does not stop the others.
+- Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
+  control plane also notices a silent death by EOF on the socketpair.
+- EOF from the control plane (it exited) ends the runner: no orphan keeps weights pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from edge_agent.daemon.ipc import recv_frame, send_frame
+from edge_agent.errors import EdgeAgentError
+
+__all__ = ["main", "WARMUP_ID"]
+
+WARMUP_ID = "__warmup__"
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edge_agent.daemon.runner")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--dtype", default="f32")
+    p.add_argument("--mlock", default="best-effort")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def _lock_report(engine: Any) -> dict[str, Any] | None:
+    for holder in (engine, getattr(engine, "weights", None)):
+        lock = getattr(holder, "lock", None)
+        if lock is not None and hasattr(lock, "as_dict"):
+            return dict(lock.as_dict())
+    return None
+
+
+def _params(d: dict[str, Any]) -> Any:
+    from edge_agent.runtime.sampling import SamplingParams
+
+    kw = {k: d[k] for k in _SAMPLING_KEYS if k in d}
+    if "stop" in kw:
+        kw["stop"] = tuple(kw["stop"])
+    return SamplingParams(**kw)
+
+
+def _step(engine: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    for sid in msg.get("release", ()):
+        try:
+            engine.release(sid)
+        except (KeyError, EdgeAgentError):
+            pass
+    tokens: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for add in msg.get("add", ()):
+        try:
+            tokens[add["id"]] = int(engine.add(add["id"], list(add["prompt"]),
+                                               _params(add["params"])))
+        except EdgeAgentError as exc:
+            errors[add["id"]] = str(exc)
+    step_ids = [s for s in msg.get("step", ()) if s not in errors]
+    if step_ids:
+        try:
+            for sid, tok in engine.step(step_ids).items():
+                tokens[sid] = int(tok)
+        except EdgeAgentError as exc:
+            for sid in step_ids:
+                errors[sid] = str(exc)
+    return {"op": "result", "tokens": tokens, "errors": errors,
+            "free_blocks": int(getattr(engine, "free_blocks", -1)),
+            "step_s": time.perf_counter() - t0}
+
+
+def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
+    from edge_agent.runtime.engine import Engine
+
+    t0 = time.monotonic()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5 or done >= total:
+            last[0] = now
+            send_frame(sock, {"op": "progress", "stage": "prepare", "done": done,
+                              "total": total})
+
+    send_frame(sock, {"op": "status", "state": "loading", "pid": os.getpid()})
+    try:
+        engine = Engine.load(Path(args.model), state_dir=Path(args.state_dir), dtype=args.dtype,
+                             mlock=args.mlock, max_batch=args.max_batch, context=args.context,
+                             threads=args.threads, progress=progress)
+    except EdgeAgentError as exc:
+        send_frame(sock, {"op": "failed", "error": str(exc)})
+        return 1
+    load_s = time.monotonic() - t0
+    send_frame(sock, {"op": "status", "state": "warming"})
+    t1 = time.monotonic()
+    try:
+        engine.add(WARMUP_ID, [int(getattr(getattr(engine, "tokenizer", None), "bos_id", 1))],
+                   _params({"max_tokens": 2}))
+        engine.step([WARMUP_ID])
+        engine.release(WARMUP_ID)
+    except EdgeAgentError as exc:
+        send_frame(sock, {"op": "failed", "error": f"warm-up forward failed: {exc}"})
+        return 1
+    send_frame(sock, {"op": "ready", "pid": os.getpid(), "load_s": load_s,
+                      "warm_s": time.monotonic() - t1, "lock": _lock_report(engine),
+                      "stop_ids": sorted(int(i) for i in getattr(engine, "stop_ids", ())),
+                      "context": int(getattr(engine, "context", args.context)),
+                      "free_blocks": int(getattr(engine, "free_blocks", -1))})
+    while True:
+        try:
+            msg = recv_frame(sock)
+        except (EOFError, ConnectionError):
+            return 0
+        op = msg.get("op")
+        if op == "step":
+            send_frame(sock, _step(engine, msg))
+        elif op == "ping":
+            send_frame(sock, {"op": "pong", "free_blocks": int(getattr(engine, "free_blocks",
+                                                                       -1))})
+        elif op == "shutdown":
+            return 0
+        else:
+            send_frame(sock, {"op": "error", "error": f"unknown op {op!r}"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return _serve(sock, args)
+    except BrokenPipeError:
+        return 0
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

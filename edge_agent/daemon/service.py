@@ -1,0 +1,316 @@
+"""One registered model in the control plane: its lifecycle, its runner and its decode loop.
+
+Invariants owned here:
+- One asyncio task per model drives everything about it; only that task talks to its runner, so
+  steps are strictly ordered. Each loop turn sends ONE message: releases (finished, cancelled
+  or expired sequences), prefill of the jobs `Scheduler.take` starts now, one decode step of the
+  sequences already running. New sequences therefore join at the next step (continuous batching).
+- A sequence is released in the very next message after its job ends for any reason, so KV
+  blocks are freed within one step of a cancel, a deadline or a disconnect.
+- A runner death (EOF on its socketpair) requeues every running job through
+  `Scheduler.requeue` (bounded retries; beyond -> FAILED, answered 503) and sets the model back
+  to UNLOADED; the loop reloads it at once when jobs wait. No request is left without an answer.
+- Load failures fail the model's queued jobs (503 naming the reason) and leave the lifecycle in
+  FAILED with that reason; the next request retries the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.daemon.ipc import RunnerGone
+from edge_agent.daemon.requests import RequestRecord
+from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
+from edge_agent.errors import EdgeAgentError
+from edge_agent.scheduler import (
+    BudgetExceeded,
+    JobState,
+    LoadedModel,
+    ModelLifecycle,
+    ModelState,
+    model_budget_bytes,
+    plan_load,
+)
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.app import Daemon
+
+__all__ = ["ModelService"]
+
+
+class ModelService:
+    def __init__(self, entry: Any, daemon: Daemon) -> None:
+        self.entry = entry
+        self.name: str = entry.name
+        self.daemon = daemon
+        self.lifecycle = ModelLifecycle(self.name, time.monotonic())
+        self.runner: RunnerHandle | None = None
+        self.active: dict[str, RequestRecord] = {}
+        self.to_release: list[str] = []
+        self.wake = asyncio.Event()
+        self.load_requested = bool(entry.preload)
+        self.unload_requested = False
+        self.tokenizer: Any = None
+        self.stop_ids: frozenset[int] = frozenset()
+        self.context: int = int(entry.context)
+        self.max_batch: int = int(entry.max_batch)
+        self.budget_bytes: int | None = None
+        self.lock: dict[str, Any] | None = None
+        self.free_blocks: int | None = None
+        self.total_blocks: int | None = None
+        self.loaded = asyncio.Event()  # set while SERVING/IDLE
+        self.task: asyncio.Task[None] | None = None
+        self._load_progress: tuple[int, int] | None = None
+
+    # -- control-plane helpers -----------------------------------------------------------------
+    def path(self) -> Path:
+        return Path(self.entry.resolve_path())
+
+    def ensure_tokenizer(self) -> Any:
+        """Tokenizer and memory budget from the GGUF metadata (read once, no weights)."""
+        if self.tokenizer is None:
+            from edge_agent.runtime.gguf import GGUFFile
+            from edge_agent.runtime.model import ModelConfig
+            from edge_agent.runtime.prepare import prepared_size
+            from edge_agent.runtime.tokenizer import Tokenizer
+
+            g = GGUFFile(self.path())
+            meta = g.metadata
+            cfg = ModelConfig.from_metadata(meta, source=str(self.path()))
+            self.context = min(self.context, cfg.context_length)
+            dtype = self.daemon.config.runtime.dtype
+            self.budget_bytes = model_budget_bytes(
+                prepared_size(g, dtype), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                self.max_batch, self.context,
+            )
+            tok = Tokenizer.from_metadata(meta, source=str(self.path()))
+            self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})
+            self.tokenizer = tok
+        return self.tokenizer
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.lifecycle.to_dict()
+        d.update({
+            "runner_pid": self.runner.pid if self.runner and not self.runner.gone.is_set()
+            else None,
+            "active": len(self.active), "queued": self.daemon.scheduler.queued(self.name),
+            "max_batch": self.max_batch, "context": self.context,
+            "budget_bytes": self.budget_bytes, "mlock": self.lock,
+            "free_blocks": self.free_blocks, "total_blocks": self.total_blocks,
+            "ttl_s": self.entry.ttl_s, "priority": self.entry.priority,
+        })
+        if self._load_progress and self.lifecycle.state is ModelState.LOADING:
+            d["load_progress"] = {"done": self._load_progress[0],
+                                  "total": self._load_progress[1]}
+        return d
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Until the daemon stops and this model is unloaded."""
+        while not (self.daemon.stopping and not self.lifecycle.resident):
+            await self._turn()
+
+    async def _wait(self, timeout: float | None) -> None:
+        if timeout is not None and timeout <= 0:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        self.wake.clear()
+
+    async def _turn(self) -> None:
+        sched = self.daemon.scheduler
+        now = time.monotonic()
+        self.daemon.reap(now)
+        for jid, rec in list(self.active.items()):
+            if rec.done.is_set() or rec.job.finished:
+                del self.active[jid]
+                self.to_release.append(jid)
+        state = self.lifecycle.state
+        runner_ok = self.runner is not None and not self.runner.gone.is_set()
+        if self.lifecycle.can_serve and not runner_ok:
+            self._runner_lost(now)
+            return
+        if not self.lifecycle.resident:
+            wanted = self.load_requested or sched.queued(self.name) > 0
+            if wanted and not self.daemon.stopping:
+                await self._load()
+                return
+            await self._wait(self.daemon.wait_timeout(now))
+            return
+        if not self.lifecycle.can_serve:  # loading/unloading happen inside _load/_unload
+            await self._wait(0.05)
+            return
+        free = self.max_batch - len(self.active)
+        new = [] if self.daemon.stopping else sched.take(self.name, free, now)
+        if not self.active and not new and not self.to_release:
+            if state is ModelState.SERVING:
+                self.lifecycle.mark_idle(now)
+            if self.unload_requested or self.daemon.stopping or self.lifecycle.should_unload(
+                    now, self.entry.ttl_s):
+                await self._unload("ttl" if not self.unload_requested else "request")
+                return
+            timeouts = [t for t in (self.daemon.wait_timeout(now),
+                                    _until(self.lifecycle.unload_at(self.entry.ttl_s), now))
+                        if t is not None]
+            await self._wait(min(timeouts) if timeouts else None)
+            return
+        if new or self.active:
+            self.lifecycle.use(now)
+        await self._step(new, now)
+
+    async def _step(self, new: list[Any], now: float) -> None:
+        assert self.runner is not None
+        adds = []
+        for job in new:
+            rec = self.daemon.records[job.id]
+            rec.restart()
+            self.active[job.id] = rec
+            adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params})
+        step_ids = [jid for jid in self.active if jid not in {a["id"] for a in adds}]
+        msg = {"op": "step", "release": self.to_release, "add": adds, "step": step_ids}
+        self.to_release = []
+        try:
+            reply = await self.runner.call(msg)
+        except RunnerGone:
+            self._runner_lost(time.monotonic())
+            return
+        now = time.monotonic()
+        self.free_blocks = reply.get("free_blocks")
+        self.daemon.metrics.observe_step(self.name, len(adds) + len(step_ids),
+                                         len(reply.get("tokens", {})), reply.get("step_s", 0.0))
+        for jid, message in reply.get("errors", {}).items():
+            rec = self.active.pop(jid, None)
+            self.to_release.append(jid)
+            if rec is not None:
+                self.daemon.fail_record(rec, now, 500, "runner_error", message)
+        for jid, token in reply.get("tokens", {}).items():
+            rec = self.active.get(jid)
+            if rec is None:
+                continue
+            if rec.done.is_set():  # cancelled or expired while the step ran
+                del self.active[jid]
+                self.to_release.append(jid)
+                continue
+            if rec.push(int(token)):
+                del self.active[jid]
+                self.to_release.append(jid)
+                self.daemon.complete_record(rec, now)
+
+    # -- load / unload / loss --------------------------------------------------------------------
+    def _runner_args(self) -> list[str]:
+        rt = self.daemon.config.runtime
+        threads = rt.threads or 1
+        return ["--name", self.name, "--model", str(self.path()),
+                "--state-dir", str(self.daemon.state_dir), "--dtype", rt.dtype,
+                "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
+                "--context", str(self.context), "--threads", str(threads)]
+
+    def _on_runner_event(self, msg: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if msg.get("op") == "progress":
+            self._load_progress = (int(msg.get("done", 0)), int(msg.get("total", 0)))
+            self.daemon.notifier_extend(f"model {self.name}: preparing weights "
+                                        f"{self._load_progress[0]}/{self._load_progress[1]}")
+        elif msg.get("state") == "warming" and self.lifecycle.state is ModelState.LOADING:
+            self.lifecycle.start_warmup(now)
+            self.daemon.notifier_extend(f"model {self.name}: warming up")
+
+    def _check_budget(self, now: float) -> None:
+        assert self.budget_bytes is not None
+        loaded = [LoadedModel(s.name, s.budget_bytes or 0, s.lifecycle.last_used or 0.0,
+                              bool(s.active) or s.lifecycle.state is not ModelState.IDLE)
+                  for s in self.daemon.services.values()
+                  if s is not self and s.lifecycle.resident]
+        for victim in plan_load(self.name, self.budget_bytes, self.daemon.memory_limit(),
+                                loaded):
+            self.daemon.services[victim].unload_requested = True
+            self.daemon.services[victim].poke()
+
+    async def _load(self) -> None:
+        sched = self.daemon.scheduler
+        now = time.monotonic()
+        self.load_requested = False
+        self.unload_requested = False
+        self.lifecycle.start_load(now)
+        self.daemon.notifier_extend(f"model {self.name}: loading")
+        try:
+            self.ensure_tokenizer()
+            self._check_budget(now)
+            env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV_DROP}
+            threads = str(self.daemon.config.runtime.threads or 1)
+            env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+            runner = RunnerHandle(self.name, self._runner_args(), env=env,
+                                  on_event=self._on_runner_event, on_gone=self.poke)
+            self.runner = runner
+            ready = await runner.start()
+        except (EdgeAgentError, OSError) as exc:
+            reason = str(exc)
+            now = time.monotonic()
+            self.lifecycle.fail(now, reason)
+            code = "budget_exceeded" if isinstance(exc, BudgetExceeded) else "model_failed"
+            for job in sched.fail_queued(self.name, now, reason):
+                rec = self.daemon.records.get(job.id)
+                if rec is not None:
+                    rec.finish(None, error=(503, code, reason))
+                    self.daemon.metrics.request_done(rec, "failed")
+            self.daemon.metrics.model_event(self.name, "load_failed")
+            self.daemon.model_settled(self)
+            return
+        now = time.monotonic()
+        if self.lifecycle.state is ModelState.LOADING:
+            self.lifecycle.start_warmup(now)
+        self.lock = ready.get("lock")
+        self.free_blocks = self.total_blocks = ready.get("free_blocks")
+        self.context = int(ready.get("context", self.context))
+        if ready.get("stop_ids"):
+            self.stop_ids = frozenset(int(i) for i in ready["stop_ids"])
+        self.lifecycle.ready(now, busy=sched.queued(self.name) > 0)
+        self.daemon.metrics.model_event(self.name, "load")
+        self.daemon.model_settled(self)
+
+    async def _unload(self, why: str) -> None:
+        now = time.monotonic()
+        self.unload_requested = False
+        self.lifecycle.start_unload(now)
+        if self.runner is not None:
+            await self.runner.stop()
+            self.runner = None
+        self.lifecycle.unloaded(time.monotonic())
+        self.lock = None
+        self.free_blocks = None
+        self.daemon.metrics.model_event(self.name, "unload")
+        self.daemon.model_settled(self)
+
+    def _runner_lost(self, now: float) -> None:
+        rc = self.runner.returncode if self.runner else None
+        pid = self.runner.pid if self.runner else None
+        reason = f"runner (pid {pid}) exited with status {rc}"
+        ids = list(self.active)
+        self.active.clear()
+        self.to_release = []
+        for job in self.daemon.scheduler.requeue(ids, now, reason=reason):
+            rec = self.daemon.records.get(job.id)
+            if rec is None:
+                continue
+            if job.state is JobState.FAILED:
+                rec.finish(None, error=(503, "runner_failed", job.error or reason))
+                self.daemon.metrics.request_done(rec, "failed")
+            else:
+                rec.restart()
+        self.runner = None
+        if self.lifecycle.can_serve:
+            self.lifecycle.lost(now, reason)
+        self.daemon.metrics.model_event(self.name, "runner_lost")
+        self.daemon.log(f"model {self.name}: {reason}; {len(ids)} running request(s) requeued")
+
+
+def _until(t: float | None, now: float) -> float | None:
+    return None if t is None else max(0.0, t - now)

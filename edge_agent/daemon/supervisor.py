@@ -1,0 +1,152 @@
+"""Runner supervision: spawn a runner child with a socketpair, talk to it, notice its death.
+
+Invariants owned here:
+- A runner is `python -m edge_agent.daemon.runner` started with subprocess + pass_fds: it holds
+  only its end of the socketpair; the control plane closes that end in itself right after the
+  spawn, so the runner's death closes the pair and the reader task sees EOF at once.
+- At most one request is outstanding per runner (`call` is serialised by a lock); each call gets
+  exactly one reply or raises RunnerGone. Progress/status frames go to `on_event`.
+- `gone` is set as soon as the socket reports EOF; `returncode` is filled once the process is
+  reaped. `stop()` always ends with the process reaped (EOF first, then SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from edge_agent.daemon.ipc import RunnerGone, encode_frame, read_frame
+from edge_agent.errors import EdgeAgentError
+
+__all__ = ["RunnerHandle", "RunnerLoadError", "RunnerGone", "RUNNER_ENV_DROP"]
+
+# systemd hands these to the daemon only; a runner must not notify or adopt sockets.
+RUNNER_ENV_DROP = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
+                             "LISTEN_PID", "LISTEN_FDNAMES"})
+
+
+class RunnerLoadError(EdgeAgentError):
+    """The runner could not load or warm up its model (reason from the runner, or its exit)."""
+
+
+class RunnerHandle:
+    def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 on_gone: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.args = list(args)
+        self.env = env
+        self.on_event = on_event
+        self.on_gone = on_gone
+        self.proc: asyncio.subprocess.Process | None = None
+        self.gone = asyncio.Event()
+        self.ready: dict[str, Any] | None = None
+        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> dict[str, Any]:
+        """Spawn and wait for `ready` (the load + warm-up). Raises RunnerLoadError."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "edge_agent.daemon.runner", "--fd", str(child.fileno()),
+                *self.args, pass_fds=(child.fileno(),), env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._reader_task = asyncio.create_task(self._read_loop(reader))
+        first = await self._next_reply()
+        if first.get("op") == "ready":
+            self.ready = first
+            return first
+        await self.stop()
+        if first.get("op") == "failed":
+            raise RunnerLoadError(f"model {self.name!r}: {first.get('error')}")
+        raise RunnerLoadError(
+            f"model {self.name!r}: runner (pid {self.pid}) exited with status "
+            f"{self.returncode} while loading. Hint: its stderr above says why; check the "
+            "memory limit and the model path."
+        )
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                msg = await read_frame(reader)
+                if msg.get("op") in ("progress", "status"):
+                    if self.on_event:
+                        self.on_event(msg)
+                else:
+                    self._replies.put_nowait(msg)
+        except (RunnerGone, ValueError):
+            pass
+        finally:
+            if self.proc is not None:  # reap first, so the exit status is known to callers
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.proc.wait(), 2.0)
+            self.gone.set()
+            self._replies.put_nowait({"op": "gone"})
+            if self.on_gone:
+                self.on_gone()
+
+    async def _next_reply(self) -> dict[str, Any]:
+        return await self._replies.get()
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return its reply; RunnerGone if the runner dies meanwhile."""
+        async with self._lock:
+            if self.gone.is_set() or self._writer is None:
+                raise RunnerGone(f"model {self.name!r}: runner is not running")
+            try:
+                self._writer.write(encode_frame(msg))
+                await self._writer.drain()
+            except ConnectionError as exc:
+                raise RunnerGone(f"model {self.name!r}: runner socket closed") from exc
+            reply = await self._next_reply()
+            if reply.get("op") == "gone":
+                self._replies.put_nowait(reply)
+                raise RunnerGone(
+                    f"model {self.name!r}: runner (pid {self.pid}) died mid-step"
+                )
+            return reply
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Close our end (the runner exits on EOF), then escalate; always reap."""
+        if self._writer is not None:
+            self._writer.close()  # no wait_closed(): its future is shared with other awaiters
+        if self.proc is None:
+            return
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None and self.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+                break
+            except asyncio.TimeoutError:
+                continue
+        if self._reader_task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._reader_task, 1.0)

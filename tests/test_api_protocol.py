@@ -1,0 +1,272 @@
+"""The HTTP API schema (pure) and the h11 Unix-socket transport (real sockets, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from edge_agent.daemon.ipc import encode_frame, recv_frame, send_frame
+from edge_agent.protocol.api import (
+    SSE_DONE,
+    ApiError,
+    completion_chunk,
+    completion_response,
+    error_body,
+    parse_generation,
+    sse_event,
+)
+from edge_agent.transports.http import (
+    HttpServer,
+    Request,
+    Response,
+    SocketInUseError,
+    StreamResponse,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parse(body: object, chat: bool | None = False) -> object:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_generation(raw, chat=chat, max_tokens_limit=1000)
+
+
+def bad(body: object, chat: bool | None = False) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body, chat)
+    assert info.value.status == 400
+    assert "Hint:" in info.value.message
+    return info.value
+
+
+# ---- protocol: parsing ---------------------------------------------------------------------
+
+def test_completion_defaults_and_fields() -> None:
+    r = parse({"prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": 7,
+               "stop": "\n", "stream": True, "priority": 9, "timeout_ms": 10, "user": "x"})
+    assert (r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed) == ("hi", 5, 0.0, 0.5, 7)
+    assert r.stop == ("\n",) and r.stream and r.priority == 9 and r.timeout_ms == 10
+    d = parse({"prompt": ["one"]})
+    assert d.prompt == "one" and d.max_tokens == 16 and d.temperature == 1.0
+    assert d.priority is None and d.timeout_ms is None and d.seed is None
+    assert d.sampling_dict(42)["seed"] == 42 and r.sampling_dict(42)["seed"] == 7
+
+
+def test_chat_messages_and_content_parts() -> None:
+    r = parse({"messages": [{"role": "system", "content": "s"},
+                            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                         {"type": "text", "text": "b"}]}]},
+              chat=True)
+    assert [(m.role, m.content) for m in r.messages] == [("system", "s"), ("user", "ab")]
+
+
+def test_native_requests_take_prompt_or_messages() -> None:
+    assert parse({"prompt": "x"}, chat=None).chat is False
+    assert parse({"messages": [{"role": "user", "content": "x"}]}, chat=None).chat is True
+    assert "exactly one" in bad({"prompt": "x", "messages": []}, chat=None).message
+    assert "exactly one" in bad({}, chat=None).message
+
+
+@pytest.mark.parametrize("raw, code, words", [
+    (b"", "malformed_json", "empty"),
+    (b"{", "malformed_json", "line 1 column 2"),
+    (b"\xff{}", "malformed_json", "not UTF-8"),
+    (b"[1]", "malformed_json", "JSON list"),
+])
+def test_malformed_bodies(raw: bytes, code: str, words: str) -> None:
+    err = bad(raw)
+    assert err.code == code and words in err.message
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"prompt": 1}, "'prompt'", "expected a string"),
+    ({"prompt": "x", "max_tokens": 0}, "'max_tokens'", "out of range"),
+    ({"prompt": "x", "max_tokens": 1001}, "'max_tokens'", "1..1000"),
+    ({"prompt": "x", "max_tokens": True}, "'max_tokens'", "integer"),
+    ({"prompt": "x", "max_tokens": 2.5}, "'max_tokens'", "integer"),
+    ({"prompt": "x", "temperature": -1}, "'temperature'", "out of range"),
+    ({"prompt": "x", "temperature": "hot"}, "'temperature'", "number"),
+    ({"prompt": "x", "top_p": 0}, "'top_p'", "(0.0, 1.0]"),
+    ({"prompt": "x", "top_k": -1}, "'top_k'", "out of range"),
+    ({"prompt": "x", "seed": -3}, "'seed'", "non-negative"),
+    ({"prompt": "x", "seed": False}, "'seed'", "non-negative"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "'stop'", "at most 4"),
+    ({"prompt": "x", "stop": [""]}, "'stop'", "empty"),
+    ({"prompt": "x", "stop": 3}, "'stop'", "string or a list"),
+    ({"prompt": "x", "stream": 1}, "'stream'", "true or false"),
+    ({"prompt": "x", "priority": 11}, "'priority'", "0..10"),
+    ({"prompt": "x", "timeout_ms": 0}, "'timeout_ms'", "out of range"),
+    ({"prompt": "x", "n": 2}, "'n'", "n=1"),
+    ({"prompt": "x", "model": ""}, "'model'", "model name"),
+])
+def test_bad_fields_name_the_field(body: dict, field: str, words: str) -> None:
+    err = bad(body)
+    assert err.code == "invalid_request"
+    assert field in err.message and words in err.message
+
+
+@pytest.mark.parametrize("messages, field", [
+    (None, "'messages'"),
+    ([], "'messages'"),
+    (["hi"], "'messages[0]'"),
+    ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], "'messages[1].role'"),
+    ([{"role": "user", "content": 3}], "'messages[0].content'"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "'messages[0].content[0]'"),
+])
+def test_bad_messages_name_the_path(messages: object, field: str) -> None:
+    assert field in bad({"messages": messages}, chat=True).message
+
+
+# ---- protocol: response shapes -------------------------------------------------------------
+
+def test_openai_shapes_and_sse() -> None:
+    c = completion_response(rid="r", model="m", created=1, chat=False, text="t",
+                            finish_reason="length", prompt_tokens=2, completion_tokens=3)
+    assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t"
+    assert c["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    ch = completion_response(rid="r", model="m", created=1, chat=True, text="t",
+                             finish_reason="stop", prompt_tokens=1, completion_tokens=1)
+    assert ch["choices"][0]["message"] == {"role": "assistant", "content": "t"}
+    first = completion_chunk(rid="r", model="m", created=1, chat=True, text="a",
+                             finish_reason=None, first=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert sse_event({"a": "é"}) == 'data: {"a": "é"}\n\n'.encode()
+    assert sse_event("x", event="token", event_id=3) == b"id: 3\nevent: token\ndata: x\n\n"
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    assert json.loads(error_body("c", "m", {"ran_s": 1})) == {
+        "error": {"code": "c", "message": "m", "ran_s": 1}}
+
+
+# ---- runner framing ------------------------------------------------------------------------
+
+def test_ipc_frames_roundtrip_and_eof() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, {"op": "step", "add": [1, 2]})
+        assert recv_frame(b) == {"op": "step", "add": [1, 2]}
+        a.sendall(encode_frame({"x": 1})[:5])
+        a.close()
+        with pytest.raises(EOFError):
+            recv_frame(b)
+
+
+# ---- transport: a real Unix socket, a trivial handler --------------------------------------
+
+class Harness:
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.closed_stream = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def handle(self, req: Request) -> Response | StreamResponse:
+        if req.path == "/echo":
+            return Response(200, json.dumps({"method": req.method, "len": len(req.body),
+                                             "q": req.query}).encode())
+        if req.path == "/slow":
+            self.started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return Response(200, b"{}")
+        if req.path == "/stream":
+            return StreamResponse(self.stream())
+        return Response(404, b"{}")
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        try:
+            for i in range(1000):
+                yield sse_event({"i": i})
+                await asyncio.sleep(0.01)
+        finally:
+            self.closed_stream.set()
+
+
+async def _request(path: Path, raw: bytes) -> bytes:
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(raw)
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+def _short_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ea-t-", dir="/tmp"))
+
+
+def test_http_server_on_unix_socket() -> None:
+    async def main() -> None:
+        d = _short_dir()
+        sock = d / "s.sock"
+        h = Harness()
+        srv = HttpServer(h.handle, max_body_bytes=100)
+        await srv.listen_unix(sock, mode=0o660)
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+        # keep-alive: two requests on one connection, then close
+        two = (b"POST /echo?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
+               b"GET /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        out = await _request(sock, two)
+        assert out.count(b"HTTP/1.1 200") == 2
+        assert b'"len": 3' in out and b'"q": {"x": ["1"]}' in out
+        # 413 by Content-Length, without reading the body; and by chunked size
+        out = await _request(sock, b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 101\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413") and b"body_too_large" in out
+        chunked = (b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"64\r\n" + b"x" * 100 + b"\r\n1\r\ny\r\n0\r\n\r\n")
+        assert (await _request(sock, chunked)).startswith(b"HTTP/1.1 413")
+        # garbage is a 400 from the HTTP layer
+        out = await _request(sock, b"NOT HTTP\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400") and b"bad_http" in out
+        # a client hanging up cancels the handler
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+        await asyncio.wait_for(h.started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(h.cancelled.wait(), 5)
+        # ... and closes a stream's generator mid-stream
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert b"text/event-stream" in await reader.readuntil(b"data: ")
+        writer.close()
+        await asyncio.wait_for(h.closed_stream.wait(), 5)
+        # a second server on the live socket is refused; close() removes the file
+        with pytest.raises(SocketInUseError, match="already serving"):
+            await HttpServer(h.handle).listen_unix(sock)
+        await srv.close()
+        assert not sock.exists()
+        os.rmdir(d)
+
+    asyncio.run(main())
+
+
+def test_stale_socket_is_replaced_and_non_socket_refused() -> None:
+    async def main() -> None:
+        d = _short_dir()
+        sock = d / "s.sock"
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(sock))
+        stale.close()  # file left behind, nobody listens
+        srv = HttpServer(Harness().handle)
+        await srv.listen_unix(sock)
+        out = await _request(sock, b"GET /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200")
+        await srv.close()
+        plain = d / "file"
+        plain.write_text("x")
+        with pytest.raises(SocketInUseError, match="not a socket"):
+            await HttpServer(Harness().handle).listen_unix(plain)
+        plain.unlink()
+        os.rmdir(d)
+
+    asyncio.run(main())

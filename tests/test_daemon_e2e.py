@@ -1,0 +1,404 @@
+"""End to end: `python -m edge_agent serve` as a subprocess with the real default model.
+
+Recipe (STYLE.md): short temp dir under /tmp, NOTIFY_SOCKET bound to a datagram socket the test
+owns, block until READY=1 (no sleeps), drive the API over the Unix socket, SIGTERM last, kill in
+`finally`. One daemon per module; tests run in file order and leave it idle for the next one.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[1]
+QUEUE_MAX = 6
+MAX_BATCH = 4
+CONTEXT = 512
+MAX_BODY = 64 * 1024
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class Daemon:
+    def __init__(self, root: Path, proc: subprocess.Popen[bytes], notify: socket.socket,
+                 log: Path) -> None:
+        self.root = root
+        self.sock = root / "ea.sock"
+        self.proc = proc
+        self.notify = notify
+        self.log = log
+        self.messages: list[str] = []
+        self.changed = threading.Condition()
+        # Like systemd, read every notification as it comes (an unread queue would fill up).
+        self.reader = threading.Thread(target=self._read_notify, daemon=True)
+        self.reader.start()
+
+    def _read_notify(self) -> None:
+        while True:
+            try:
+                msg = self.notify.recv(4096).decode()
+            except OSError:
+                return
+            with self.changed:
+                self.messages.append(msg)
+                self.changed.notify_all()
+
+    def wait_notify(self, key: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        with self.changed:
+            while time.monotonic() < end:
+                for m in self.messages:
+                    if key in m.split("\n"):
+                        return m
+                if self.proc.poll() is not None:
+                    pytest.fail(f"daemon exited {self.proc.returncode} before {key}: "
+                                f"{self.log.read_text()[-3000:]}")
+                self.changed.wait(min(1.0, max(0.01, end - time.monotonic())))
+        pytest.fail(f"no {key} within {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def call(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        conn = UnixHTTPConnection(str(self.sock))
+        try:
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        status, _, data = self.call(method, path, body)
+        return status, json.loads(data)
+
+    def health(self) -> dict[str, Any]:
+        return self.json("GET", "/health")[1]
+
+    def wait_quiet(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll /health until nothing runs or waits and every KV block is free."""
+        end = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            m = h["models"]["smollm2"]
+            if (h["queue"]["depth"] == 0 and m["active"] == 0
+                    and m["free_blocks"] == m["total_blocks"]):
+                return h
+            if time.monotonic() > end:
+                pytest.fail(f"daemon not quiet after {timeout} s: {json.dumps(h)[:2000]}")
+            time.sleep(0.05)
+
+
+def sse_events(data: bytes) -> list[str]:
+    return [line[len("data: "):] for line in data.decode().split("\n")
+            if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def expected(prepared_state_dir: Path) -> dict[str, str]:
+    """Temperature-0 outputs of the in-process Engine (the reference for the daemon)."""
+    from edge_agent.runtime.engine import Engine
+    from edge_agent.runtime.sampling import SamplingParams
+
+    with Engine.load(state_dir=prepared_state_dir, mlock="off", max_batch=1,
+                     context=CONTEXT) as engine:
+        tok = engine.tokenizer
+        assert tok is not None
+        out = {}
+        for p in PROMPTS:
+            out[p] = "".join(engine.stream_text(tok.encode(p), SamplingParams(max_tokens=12)))
+        out["long"] = "".join(engine.stream_text(tok.encode(PROMPTS[0]),
+                                                 SamplingParams(max_tokens=40)))
+        out["chat"] = "".join(engine.stream_text(tok.apply_chat_template(CHAT),
+                                                 SamplingParams(max_tokens=16)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def daemon(prepared_state_dir: Path) -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="ea-", dir="/tmp"))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
+        f"max_body_bytes = {MAX_BODY}\ndrain_timeout_s = 10\n"
+        f"[scheduler]\nqueue_max = {QUEUE_MAX}\nmax_batch_size = {MAX_BATCH}\n"
+        f"[runtime]\nmlock = \"best-effort\"\nthreads = 1\n"
+        f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\npreload = true\n"
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(root / "notify.sock"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1",
+               WATCHDOG_USEC="1000000")
+    log = root / "daemon.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
+                                 str(cfg)], cwd=REPO, env=env, stdout=fh, stderr=fh)
+    d = Daemon(root, proc, notify, log)
+    try:
+        d.wait_notify("READY=1", 180)
+        yield d
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        notify.shutdown(socket.SHUT_RDWR)
+        notify.close()
+        d.reader.join(5)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_health_models_and_socket_mode(daemon: Daemon) -> None:
+    assert stat.S_IMODE(daemon.sock.stat().st_mode) == 0o660
+    status, h = daemon.json("GET", "/health")
+    assert status == 200 and h["status"] == "serving"
+    m = h["models"]["smollm2"]
+    assert m["state"] in ("idle", "serving") and m["runner_pid"] > 0
+    assert m["mlock"]["weight_bytes"] == 538_060_032
+    assert h["queue"] == {**h["queue"], "depth": 0, "queue_max": QUEUE_MAX}
+    assert "cgroup" in h
+    status, models = daemon.json("GET", "/v1/models")
+    assert status == 200 and [x["id"] for x in models["data"]] == ["smollm2"]
+    with daemon.changed:
+        lines = [m.split("\n") for m in daemon.messages]
+    ready = next(i for i, m in enumerate(lines) if "READY=1" in m)
+    assert any(ln.startswith("STATUS=serving") for ln in lines[ready])
+    # the load asked systemd for more time before READY=1
+    assert any(ln.startswith("EXTEND_TIMEOUT_USEC=") for m in lines[:ready] for ln in m)
+    daemon.wait_notify("WATCHDOG=1", 3)  # pings every WATCHDOG_USEC / 2 from the main loop
+
+
+def test_completion_equals_in_process_engine(daemon: Daemon, expected: dict[str, str]) -> None:
+    for p in PROMPTS:
+        status, r = daemon.json("POST", "/v1/completions",
+                                {"prompt": p, "max_tokens": 12, "temperature": 0})
+        assert status == 200, r
+        assert r["choices"][0]["text"] == expected[p]
+        assert r["usage"]["completion_tokens"] <= 12
+    status, r = daemon.json("POST", "/v1/chat/completions",
+                            {"messages": CHAT, "max_tokens": 16, "temperature": 0})
+    assert status == 200, r
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": expected["chat"]}
+
+
+def test_streaming_sse(daemon: Daemon, expected: dict[str, str]) -> None:
+    status, headers, data = daemon.call("POST", "/v1/chat/completions", {
+        "messages": CHAT, "max_tokens": 16, "temperature": 0, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(data)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == expected["chat"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_malformed_and_bad_fields_are_400_naming_the_field(daemon: Daemon) -> None:
+    status, _, data = daemon.call("POST", "/v1/completions", raw=b'{"prompt": "x",')
+    err = json.loads(data)["error"]
+    assert status == 400 and err["code"] == "malformed_json" and "line 1" in err["message"]
+    cases = [
+        ({"prompt": "x", "max_tokens": "ten"}, "'max_tokens'"),
+        ({"prompt": "x", "temperature": 9}, "'temperature'"),
+        ({"prompt": 5}, "'prompt'"),
+        ({"prompt": "x", "stream": "yes"}, "'stream'"),
+        ({"prompt": "x", "priority": 11}, "'priority'"),
+        ({"prompt": "x", "stop": [1]}, "'stop'"),
+    ]
+    for body, field in cases:
+        status, r = daemon.json("POST", "/v1/completions", body)
+        assert status == 400 and field in r["error"]["message"], (body, r)
+    status, r = daemon.json("POST", "/v1/chat/completions",
+                            {"messages": [{"role": "robot", "content": "x"}]})
+    assert status == 400 and "'messages[0].role'" in r["error"]["message"]
+    status, r = daemon.json("POST", "/v1/completions", {"prompt": "x", "model": "nope"})
+    assert status == 404 and r["error"]["code"] == "model_not_found"
+    status, r = daemon.json("GET", "/v2/nothing")
+    assert status == 404 and r["error"]["code"] == "not_found"
+    status, headers, _ = daemon.call("GET", "/v1/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    status, r = daemon.json("POST", "/v1/completions", {"prompt": "word " * 600})
+    assert status == 400 and "context" in r["error"]["message"]
+
+
+def test_oversized_body_is_413(daemon: Daemon) -> None:
+    status, _, data = daemon.call("POST", "/v1/completions",
+                                  raw=json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode())
+    assert status == 413
+    assert json.loads(data)["error"]["code"] == "body_too_large"
+
+
+def test_deadline_of_1ms_is_504_with_durations(daemon: Daemon) -> None:
+    status, r = daemon.json("POST", "/v1/completions",
+                            {"prompt": "x", "max_tokens": 16, "timeout_ms": 1})
+    assert status == 504, r
+    err = r["error"]
+    assert err["code"] == "deadline_exceeded"
+    assert "queued" in err["message"] and "ran" in err["message"]
+    assert err["queued_s"] >= 0 and err["ran_s"] >= 0
+    daemon.wait_quiet()
+
+
+def test_full_queue_is_503_and_cancel_frees_blocks(daemon: Daemon) -> None:
+    ids = []
+    for i in range(QUEUE_MAX):
+        status, r = daemon.json("POST", "/v1/requests",
+                                {"prompt": f"Story {i}:", "max_tokens": 400, "temperature": 0})
+        assert status == 202, r
+        ids.append(r["id"])
+    status, headers, data = daemon.call("POST", "/v1/completions", {"prompt": "x"})
+    assert status == 503 and int(headers["retry-after"]) >= 1
+    assert json.loads(data)["error"]["code"] == "queue_full"
+    for rid in ids:
+        status, r = daemon.json("DELETE", f"/v1/requests/{rid}")
+        assert status == 200 and r["state"] == "cancelled"
+    daemon.wait_quiet()
+    status, r = daemon.json("GET", f"/v1/requests/{ids[0]}")
+    assert r["state"] == "cancelled" and r["completion_tokens"] < 400
+    status, r = daemon.json("DELETE", "/v1/requests/req-unknown")
+    assert status == 404
+
+
+def test_disconnect_mid_stream_stops_generation(daemon: Daemon) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(daemon.sock))
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                       "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    buf = b""
+    while b'"id": "' not in buf:
+        chunk = s.recv(4096)
+        assert chunk, buf
+        buf += chunk
+    rid = buf.split(b'"id": "')[1].split(b'"')[0].decode()
+    s.close()
+    daemon.wait_quiet()
+    status, r = daemon.json("GET", f"/v1/requests/{rid}")
+    assert r["state"] == "cancelled" and r["completion_tokens"] < 400
+
+
+def test_native_request_events_resume(daemon: Daemon, expected: dict[str, str]) -> None:
+    status, r = daemon.json("POST", "/v1/requests",
+                            {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+    assert status == 202
+    rid = r["id"]
+    status, _, data = daemon.call("GET", f"/v1/requests/{rid}/events?from=0")
+    events = [json.loads(e) for e in sse_events(data)]
+    assert events[-1]["state"] == "done" and events[-1]["text"] == expected[PROMPTS[0]]
+    pieces = events[:-1]
+    assert [e["index"] for e in pieces] == list(range(len(pieces)))
+    assert "".join(e["text"] for e in pieces) == expected[PROMPTS[0]]
+    status, _, data = daemon.call("GET", f"/v1/requests/{rid}/events?from=5")
+    later = [json.loads(e) for e in sse_events(data)][:-1]
+    assert "".join(e["text"] for e in later) == "".join(e["text"] for e in pieces[5:])
+    status, _, _ = daemon.call("GET", f"/v1/requests/{rid}/events?from=x")
+    assert status == 400
+
+
+def test_runner_killed_mid_generation_requests_complete(
+        daemon: Daemon, expected: dict[str, str]) -> None:
+    before = daemon.health()["models"]["smollm2"]
+    results: dict[int, tuple[int, Any]] = {}
+
+    def run(i: int) -> None:
+        results[i] = daemon.json("POST", "/v1/completions",
+                                 {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 60
+    while daemon.health()["models"]["smollm2"]["active"] < 2:  # both are generating
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    os.kill(before["runner_pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    for i in range(2):
+        status, r = results[i]
+        assert status == 200, r
+        assert r["choices"][0]["text"] == expected["long"]
+    after = daemon.wait_quiet()["models"]["smollm2"]
+    assert after["runner_pid"] not in (None, before["runner_pid"])
+    assert after["losses"] == before["losses"] + 1
+    status, _, data = daemon.call("GET", "/metrics")
+    text = data.decode()
+    assert 'edge_agent_model_events_total{model="smollm2",event="runner_lost"} 1' in text
+    assert "edge_agent_batch_size_bucket" in text
+
+
+def test_unload_then_load_on_demand(daemon: Daemon, expected: dict[str, str]) -> None:
+    status, m = daemon.json("POST", "/v1/models/smollm2/unload")
+    assert status == 200 and m["state"] == "unloaded" and m["runner_pid"] is None
+    status, r = daemon.json("POST", "/v1/completions",
+                            {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0})
+    assert status == 200 and r["choices"][0]["text"] == expected[PROMPTS[1]]
+    status, m = daemon.json("POST", "/v1/models/smollm2/load")
+    assert status == 200 and m["state"] in ("idle", "serving") and m["loads"] >= 3
+    status, r = daemon.json("POST", "/v1/models/nope/load")
+    assert status == 404
+
+
+def test_sigterm_drains_running_request_and_stops_cleanly(
+        daemon: Daemon, expected: dict[str, str]) -> None:
+    result: list[tuple[int, Any]] = []
+    t = threading.Thread(target=lambda: result.append(daemon.json(
+        "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0})))
+    t.start()
+    end = time.monotonic() + 60
+    while daemon.health()["models"]["smollm2"]["active"] < 1:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.wait_notify("STOPPING=1", 30)
+    t.join(60)
+    status, r = result[0]
+    assert status == 200 and r["choices"][0]["text"] == expected["long"]  # drained, not cut
+    assert daemon.proc.wait(30) == 0
+    assert not daemon.sock.exists()
+
+
+def test_bad_config_exits_78(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[scheduler]\nqueue_maks = 3\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "serve", "--config", str(cfg)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78, r.stderr
+    assert "queue_maks" in r.stderr and str(cfg) in r.stderr
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "serve", "--config",
+                        str(tmp_path / "missing.toml")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "missing.toml" in r.stderr
