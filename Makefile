@@ -8,7 +8,7 @@ STATE  ?= .state
 DEB_TEST_PACKAGES := gcc-arm-none-eabi binutils-arm-none-eabi libnewlib-arm-none-eabi \
                      qemu-system-arm stm32flash socat systemd
 
-.PHONY: run test venv deps-test deps-debian model lint bench clean
+.PHONY: run demo test venv deps-test deps-debian model lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ model: venv
 	$(VENV)/bin/edge-agent --state-dir $(STATE) model prepare
 
 run: model
-	$(VENV)/bin/edge-agent --state-dir $(STATE) generate --chat --max-tokens 48 \
+	@echo "edge-agent: serving on $(STATE)/edge-agent.sock (Ctrl-C stops). In another shell:"
+	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/health"
+	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/v1/completions -d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
+	@echo "  $(VENV)/bin/edge-agent status --socket $(STATE)/edge-agent.sock"
+	EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true $(VENV)/bin/edge-agent --state-dir $(STATE) \
+	    serve --socket $(STATE)/edge-agent.sock
+
+demo: model
+	$(VENV)/bin/edge-agent --state-dir $(STATE) generate --local --chat --max-tokens 48 \
 	    "Explain in two sentences why a board should pin model weights in RAM."
 
 deps-debian:
@@ -38,6 +46,8 @@ test: deps-test
 
 bench: venv
 	$(PY) bench/runtime.py
+	$(PY) bench/serve.py --state-dir $(STATE)
+	$(PY) bench/flash.py
 
 clean:
 	rm -rf $(VENV) $(STATE) .pytest_cache build *.egg-info
