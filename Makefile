@@ -6,9 +6,10 @@ PIP    := $(VENV)/bin/pip
 STATE  ?= .state
 # Debian packages the tests use (ELF oracle, example firmware, QEMU boot, stm32flash fidelity, ptys)
 DEB_TEST_PACKAGES := gcc-arm-none-eabi binutils-arm-none-eabi libnewlib-arm-none-eabi \
-                     qemu-system-arm stm32flash socat systemd
+                     qemu-system-arm qemu-system-x86 mmdebstrap nbdkit kmod e2fsprogs \
+                     stm32flash socat systemd
 
-.PHONY: run demo test venv deps-test deps-debian model lint bench clean
+.PHONY: run demo bench-qemu test venv deps-test deps-debian model lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,3 +52,6 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) $(STATE) .pytest_cache build *.egg-info
+
+bench-qemu: venv
+	$(PY) bench/qemu_powercut.py
