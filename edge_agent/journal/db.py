@@ -1,0 +1,358 @@
+"""Opening the journal: one SQLite file, WAL, durability pragmas, integrity check, quarantine.
+
+Invariants this module owns:
+- Every open of the writer issues `PRAGMA journal_mode=WAL` and `PRAGMA synchronous=<mode>`
+  (default FULL) and reads both back; SQLite persists the journal mode in the file but NOT
+  `synchronous`, and sqlite-utils has no API for it, so it is set here on every open.
+  Risk of the other modes: NORMAL in WAL mode survives a killed process but can lose the last
+  committed transactions on a power cut (the WAL is not fsynced at each commit); OFF can also
+  corrupt the file on a power cut. EXTRA adds a directory fsync on top of FULL.
+- Before the first write the file passes `PRAGMA quick_check` (or `integrity_check`). A file
+  that is not a database, fails the check, or raises SQLITE_CORRUPT while migrating is moved
+  aside as `<name>.corrupt-<UTC timestamp>` (with its -wal and -shm), a new file is started and
+  the `QuarantineEvent` is returned on the `Journal` (and recorded in the new file's `events`
+  table) so the daemon reports it in /health, the log and `status`. One quarantine per open at
+  most: if the fresh file fails too, JournalError is raised (never a crash loop of moves).
+- A newer schema than this program knows is not corruption: JournalVersionError (exit 78),
+  the file is left untouched.
+- Writes go through `Journal.transaction()` (BEGIN IMMEDIATE ... COMMIT on a connection in
+  autocommit mode, `isolation_level=None`), so one Python block is one SQLite transaction and,
+  with synchronous=FULL, one fsync. sqlite-utils calls nested inside use savepoints.
+- Read-only opens (`readonly=True`, the CLI) never create, migrate, quarantine or write
+  (`PRAGMA query_only`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from edge_agent.journal.errors import JournalError, JournalMissingError, JournalVersionError
+from edge_agent.journal.migrations import MIGRATIONS, Migrations
+
+__all__ = [
+    "Journal",
+    "QuarantineEvent",
+    "open_journal",
+    "default_journal_path",
+    "check_integrity",
+    "quarantine",
+    "SYNC_MODES",
+    "DEFAULT_SYNC",
+    "JOURNAL_FILE",
+]
+
+JOURNAL_FILE = "journal.sqlite3"
+SYNC_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
+DEFAULT_SYNC = "FULL"
+_SYNC_VALUE = {"OFF": 0, "NORMAL": 1, "FULL": 2, "EXTRA": 3}
+_CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
+WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the -wal file is truncated to after a checkpoint
+
+Connect = Callable[[str], sqlite3.Connection]
+
+
+def default_journal_path(state_dir: str | os.PathLike[str]) -> Path:
+    return Path(state_dir) / JOURNAL_FILE
+
+
+@dataclass(frozen=True)
+class QuarantineEvent:
+    """A corrupt journal was moved aside and a new one started."""
+
+    path: str
+    moved_to: str
+    reason: str
+    at: float  # wall clock (unix seconds)
+
+    def message(self) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(self.at))
+        return (
+            f"journal {self.path} was corrupt ({self.reason}); moved aside to {self.moved_to} at "
+            f"{stamp} and a new journal was started: requests, sessions and caches recorded "
+            "before are not resumed. Hint: keep the moved file for inspection "
+            "(`sqlite3 FILE .recover`), and check the storage (dmesg, power supply)."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), message=self.message())
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _CORRUPT_CODES
+    return type(exc) is sqlite3.DatabaseError  # Python 3.10: no error code; CORRUPT/NOTADB
+
+
+def _default_connect(path: str) -> sqlite3.Connection:
+    return sqlite3.connect(path, timeout=10.0, isolation_level=None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _wal_keep(path: Path) -> Path:
+    return path.with_name(path.name + "-wal.found")
+
+
+def _pragma_name(check: str) -> str:
+    return "integrity_check" if check == "full" else "quick_check"
+
+
+def check_integrity(conn: sqlite3.Connection, *, full: bool = False) -> list[str]:
+    """Problems found by `quick_check` (or `integrity_check` when full); [] when the file is ok.
+
+    Raises sqlite3.DatabaseError when the file is too damaged to check at all.
+    """
+    pragma = "integrity_check" if full else "quick_check"
+    rows = [str(r[0]) for r in conn.execute(f"PRAGMA {pragma}(20)").fetchall()]
+    return [] if rows == ["ok"] else rows
+
+
+def quarantine(path: Path, reason: str, *, now: float) -> QuarantineEvent:
+    """Move `path` (and its -wal, -shm) aside with a UTC timestamp; fsync the directory."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    try:
+        for suffix in ("-wal", "-shm"):
+            side = path.with_name(path.name + suffix)
+            if side.exists():
+                os.replace(side, target.with_name(target.name + suffix))
+        kept = _wal_keep(path)  # the -wal as it was before SQLite touched it (see open_journal)
+        if kept.exists():
+            os.replace(kept, target.with_name(target.name + "-wal"))
+        os.replace(path, target)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise JournalError(
+            f"journal {path} is corrupt ({reason}) and could not be moved aside to {target}: "
+            f"{exc.strerror or exc}. Hint: move or delete the file by hand, then restart."
+        ) from exc
+    return QuarantineEvent(str(path), str(target), reason, now)
+
+
+class Journal:
+    """An open journal database: `db` (sqlite_utils.Database) over `conn` (sqlite3)."""
+
+    def __init__(self, path: Path, db: sqlite_utils.Database, *, synchronous: str,
+                 readonly: bool, quarantined: QuarantineEvent | None, open_seconds: float,
+                 schema_version: int) -> None:
+        self.path = path
+        self.db = db
+        self.conn: sqlite3.Connection = db.conn
+        self.synchronous = synchronous
+        self.readonly = readonly
+        self.quarantined = quarantined
+        self.open_seconds = open_seconds
+        self.schema_version = schema_version
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One SQLite write transaction (one fsync at COMMIT with synchronous=FULL)."""
+        if self.conn.in_transaction:
+            raise JournalError(
+                f"journal {self.path}: a transaction is already open on this connection. "
+                "Hint: group the writes in one `with journal.transaction():` block."
+            )
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def pragma(self, name: str) -> Any:
+        row = self.conn.execute(f"PRAGMA {name}").fetchone()
+        return None if row is None else row[0]
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _configure(conn: sqlite3.Connection, synchronous: str) -> None:
+    fresh = conn.execute("PRAGMA page_count").fetchone()[0] == 0
+    if fresh:
+        # Only effective before the first table exists; lets prune() return pages to the OS.
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        raise JournalError(
+            f"PRAGMA journal_mode=WAL returned {mode!r}. Hint: the journal needs a local "
+            "filesystem with shared-memory support (not NFS, not a read-only mount)."
+        )
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    got = conn.execute("PRAGMA synchronous").fetchone()[0]
+    if got != _SYNC_VALUE[synchronous]:
+        raise JournalError(f"PRAGMA synchronous={synchronous} did not take (reads back {got}). "
+                           "Hint: report this SQLite build.")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+
+
+def _check_sync(synchronous: str) -> str:
+    mode = str(synchronous).upper()
+    if mode not in SYNC_MODES:
+        raise JournalError(
+            f"journal synchronous mode {synchronous!r} is not one of {', '.join(SYNC_MODES)}. "
+            "Hint: use FULL (the default); NORMAL can lose the last commits on a power cut."
+        )
+    return mode
+
+
+def _version(conn: sqlite3.Connection, path: Path, migrations: Migrations) -> int:
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > migrations.latest:
+        raise JournalVersionError(
+            f"journal {path} has schema version {version}; this edge-agent knows up to "
+            f"{migrations.latest}. The file was left untouched. Hint: run the newer edge-agent "
+            "that wrote it, or move the file aside to start an empty journal."
+        )
+    return version
+
+
+def _open_readonly(path: Path, connect: Connect | None, t0: float) -> Journal:
+    if not path.is_file():
+        raise JournalMissingError(
+            f"no journal at {path}. Hint: start the daemon once (`edge-agent serve`) or pass "
+            "the right --state-dir."
+        )
+    uri = f"file:{urllib.parse.quote(str(path))}?mode=rw"
+    try:
+        conn = (connect or (lambda p: sqlite3.connect(uri, uri=True, timeout=10.0,
+                                                      isolation_level=None)))(str(path))
+        conn.execute("PRAGMA query_only=ON")
+        version = _version(conn, path, MIGRATIONS)
+    except sqlite3.DatabaseError as exc:
+        raise JournalError(f"journal {path}: cannot read it ({exc}). Hint: if the daemon is not "
+                           "running, starting it checks the file and moves a corrupt one "
+                           "aside.") from exc
+    db = sqlite_utils.Database(conn, execute_plugins=False)
+    return Journal(path, db, synchronous="(set by the writer on each open)", readonly=True,
+                   quarantined=None, open_seconds=time.monotonic() - t0,
+                   schema_version=version)
+
+
+def open_journal(
+    path: str | os.PathLike[str],
+    *,
+    synchronous: str = DEFAULT_SYNC,
+    check: str = "quick",
+    readonly: bool = False,
+    connect: Connect | None = None,
+    migrations: Migrations = MIGRATIONS,
+    now: Callable[[], float] = time.time,
+    tracer: Callable[[str, Any], None] | None = None,
+    on_corrupt: str = "quarantine",
+) -> Journal:
+    """Open (creating, migrating, and when corrupt quarantining) the journal at `path`.
+
+    check: "quick" (PRAGMA quick_check, default), "full" (integrity_check) or "none".
+    connect: factory `connect(path) -> sqlite3.Connection` (default: sqlite3, autocommit mode).
+    on_corrupt: "quarantine" (the daemon) or "raise" (maintenance commands: never move a file
+    another process may hold open).
+    """
+    t0 = time.monotonic()
+    path = Path(path)
+    if readonly:
+        return _open_readonly(path, connect, t0)
+    if check not in ("quick", "full", "none"):
+        raise JournalError(f"journal check {check!r} is not quick, full or none. "
+                           "Hint: use quick (the default).")
+    sync = _check_sync(synchronous)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JournalError(f"journal directory {path.parent}: cannot create it "
+                           f"({exc.strerror or exc}). Hint: fix --state-dir or its "
+                           "permissions.") from exc
+    event: QuarantineEvent | None = None
+    # SQLite may fold a -wal into the file and delete it when a connection closes, even when
+    # the file turns out corrupt: a hard link keeps the -wal as found, for the quarantine.
+    wal, kept = path.with_name(path.name + "-wal"), _wal_keep(path)
+    with contextlib.suppress(OSError):
+        kept.unlink()
+    with contextlib.suppress(OSError):
+        os.link(wal, kept)
+    while True:
+        conn = (connect or _default_connect)(str(path))
+        try:
+            _configure(conn, sync)
+            problems = [] if check == "none" else check_integrity(conn, full=check == "full")
+            if problems:
+                lines = [ln.strip() for p in problems for ln in p.splitlines() if ln.strip()]
+                raise sqlite3.DatabaseError(f"{_pragma_name(check)}: " + "; ".join(lines[:3])[:300])
+            version = _version(conn, path, migrations)
+            db = sqlite_utils.Database(conn, execute_plugins=False, tracer=tracer)
+            migrations.apply(db)
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            corrupt = _is_corruption(exc) or "malformed" in str(exc) or (
+                type(exc) is sqlite3.DatabaseError
+            )
+            if not corrupt:
+                raise JournalError(f"journal {path}: {exc}. Hint: check the file's permissions "
+                                   "and free space.") from exc
+            if on_corrupt != "quarantine":
+                raise JournalError(
+                    f"journal {path} is corrupt ({exc}). Hint: stop the daemon and start it "
+                    "again: it moves a corrupt journal aside and starts a new one."
+                ) from exc
+            if event is not None:
+                raise JournalError(
+                    f"journal {path}: a freshly started journal failed too ({exc}) after the "
+                    f"corrupt one was moved to {event.moved_to}. Hint: check the storage "
+                    "device (dmesg) and free space."
+                ) from exc
+            event = quarantine(path, str(exc), now=now())
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        break
+    with contextlib.suppress(OSError):
+        kept.unlink()
+    if event is not None:
+        with _autocommit_tx(conn):
+            conn.execute("INSERT INTO events (at, kind, message) VALUES (?, ?, ?)",
+                         (event.at, "quarantine", event.message()))
+    return Journal(path, db, synchronous=sync, readonly=False, quarantined=event,
+                   open_seconds=time.monotonic() - t0, schema_version=version)
+
+
+@contextlib.contextmanager
+def _autocommit_tx(conn: sqlite3.Connection) -> Iterator[None]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

@@ -1,0 +1,151 @@
+"""The journal's schema as a registry of numbered migrations (sqlite-utils style).
+
+Invariants this module owns:
+- `PRAGMA user_version` is the number of the last applied migration; migrations are applied in
+  order, each in its own transaction together with the user_version bump, so a crash leaves the
+  file at a whole version (never between two).
+- Migrations are append-only: a released migration is never edited; a change is a new number.
+- Table meanings (migration 1):
+  requests        one row per accepted request; `input` is JSON ({"prompt": str} or
+                  {"messages": [...]}), `prompt_ids` little-endian int32, `params` JSON
+                  (seed may exceed SQLite's int64, so it lives in JSON), `deadline` wall clock.
+  tokens          (request_id, idx) -> token_id and `text_offset`, the detokenizer byte offset
+                  after that token (a resumed stream starts there, on a UTF-8 boundary).
+  sessions        token history of each conversation (little-endian int32 blob).
+  tokenizer_cache Tokenizer.to_bytes() keyed by (model sha256, tokenizer fingerprint).
+  models          registry facts: sha256, prepared file, last load, last failure.
+  flash_jobs / flash_sectors   per-sector state of a flash job (pending, erased, written,
+                  verified).
+  events          journal-level events (quarantine, recovery) for /health and `status`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlite_utils
+
+__all__ = ["Migrations", "MIGRATIONS", "REQUEST_STATES", "FINISHED_STATES", "SECTOR_STATES"]
+
+REQUEST_STATES = ("queued", "running", "done", "failed", "cancelled", "expired")
+FINISHED_STATES = ("done", "failed", "cancelled", "expired")
+SECTOR_STATES = ("pending", "erased", "written", "verified")
+
+Migration = Callable[[sqlite_utils.Database], None]
+
+
+class Migrations:
+    """Numbered migrations; `@registry(n)` registers `fn(db)` as migration n (1, 2, ...)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, Migration] = {}
+
+    def __call__(self, number: int) -> Callable[[Migration], Migration]:
+        def register(fn: Migration) -> Migration:
+            if number in self._steps:
+                raise ValueError(f"migration {number} registered twice")
+            if number != len(self._steps) + 1:
+                raise ValueError(f"migration {number} out of order; next is "
+                                 f"{len(self._steps) + 1}")
+            self._steps[number] = fn
+            return fn
+
+        return register
+
+    @property
+    def latest(self) -> int:
+        return len(self._steps)
+
+    def names(self) -> list[str]:
+        return [f"{n:04d}_{fn.__name__}" for n, fn in sorted(self._steps.items())]
+
+    def pending(self, db: sqlite_utils.Database) -> list[int]:
+        version = int(db.execute("PRAGMA user_version").fetchone()[0])
+        return [n for n in sorted(self._steps) if n > version]
+
+    def apply(self, db: sqlite_utils.Database) -> list[int]:
+        """Apply every pending migration, each atomically with its user_version bump."""
+        done = []
+        for number in self.pending(db):
+            db.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._steps[number](db)
+                db.conn.execute(f"PRAGMA user_version={number}")
+            except BaseException:
+                if db.conn.in_transaction:
+                    db.conn.execute("ROLLBACK")
+                raise
+            db.conn.execute("COMMIT")
+            done.append(number)
+        return done
+
+
+MIGRATIONS = Migrations()
+
+
+@MIGRATIONS(1)
+def initial(db: sqlite_utils.Database) -> None:
+    states = ", ".join(f"'{s}'" for s in REQUEST_STATES)
+    db.execute(f"""
+        CREATE TABLE requests (
+            id TEXT PRIMARY KEY,
+            session TEXT,
+            model TEXT NOT NULL,
+            input TEXT NOT NULL,
+            prompt_ids BLOB NOT NULL,
+            params TEXT NOT NULL,
+            priority INTEGER NOT NULL DEFAULT 5,
+            deadline REAL,
+            state TEXT NOT NULL CHECK (state IN ({states})),
+            created_at REAL NOT NULL,
+            started_at REAL,
+            finished_at REAL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            finish_reason TEXT,
+            error TEXT
+        )""")
+    db["requests"].create_index(["state", "finished_at"], index_name="requests_state")
+    db["requests"].create_index(["session"], index_name="requests_session")
+    db.execute("""
+        CREATE TABLE tokens (
+            request_id TEXT NOT NULL REFERENCES requests(id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,
+            token_id INTEGER NOT NULL,
+            text_offset INTEGER NOT NULL,
+            PRIMARY KEY (request_id, idx)
+        ) WITHOUT ROWID""")
+    db["sessions"].create(
+        {"id": str, "model": str, "history": bytes, "n_tokens": int, "turns": int,
+         "created_at": float, "updated_at": float},
+        pk="id", not_null={"model", "history", "created_at", "updated_at"},
+        defaults={"n_tokens": 0, "turns": 0},
+    )
+    db["sessions"].create_index(["updated_at"], index_name="sessions_updated")
+    db["tokenizer_cache"].create(
+        {"model_sha256": str, "fingerprint": str, "data": bytes, "created_at": float},
+        pk=("model_sha256", "fingerprint"), not_null={"data", "created_at"},
+    )
+    db["models"].create(
+        {"name": str, "path": str, "sha256": str, "size": int, "mtime_ns": int,
+         "prepared_path": str, "last_load_at": float, "last_load_s": float,
+         "last_failure": str, "last_failure_at": float, "updated_at": float},
+        pk="name",
+    )
+    db["flash_jobs"].create(
+        {"id": int, "image_sha256": str, "board": str, "port": str, "state": str,
+         "created_at": float, "updated_at": float, "error": str},
+        pk="id", not_null={"image_sha256", "board", "port", "state", "created_at"},
+    )
+    sector_states = ", ".join(f"'{s}'" for s in SECTOR_STATES)
+    db.execute(f"""
+        CREATE TABLE flash_sectors (
+            job_id INTEGER NOT NULL REFERENCES flash_jobs(id) ON DELETE CASCADE,
+            sector INTEGER NOT NULL,
+            address INTEGER NOT NULL,
+            size INTEGER NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ({sector_states})),
+            updated_at REAL NOT NULL,
+            PRIMARY KEY (job_id, sector)
+        ) WITHOUT ROWID""")
+    db["events"].create({"id": int, "at": float, "kind": str, "message": str}, pk="id",
+                        not_null={"at", "kind", "message"})

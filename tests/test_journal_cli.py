@@ -1,0 +1,100 @@
+"""`edge-agent journal stats|tail|export|vacuum` on real journal files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edge_agent.cli import main
+from edge_agent.journal import JournalStore, open_journal
+
+
+def _journal(state: Path) -> Path:
+    path = state / "journal.sqlite3"
+    store = JournalStore(open_journal(path))
+    for i in range(5):
+        rid = f"req-{i}"
+        store.add_request(id=rid, model="smollm2", input={"prompt": "p"}, prompt_ids=[1, 2],
+                          params={"seed": i}, now=100.0 + i)
+        store.append_tokens([(rid, k, 10 + k, k + 1) for k in range(3)])
+        if i < 4:
+            store.finish(rid, "done" if i else "failed", error=None if i else "runner died",
+                         finish_reason="length" if i else None, now=200.0 + i)
+    store.close()
+    return path
+
+
+def test_stats_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _journal(tmp_path)
+    assert main(["--state-dir", str(tmp_path), "journal", "stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["requests"]["done"] == 3 and stats["requests"]["failed"] == 1
+    assert stats["requests"]["queued"] == 1 and stats["tokens"] == 15
+    assert stats["journal_mode"] == "wal"
+    assert main(["--state-dir", str(tmp_path), "journal", "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "done 3" in out and "tokens         15" in out
+
+
+def test_tail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _journal(tmp_path)
+    assert main(["journal", "--journal", str(path), "tail", "-n", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in rows] == ["req-4", "req-3"]
+    assert rows[0]["tokens"] == 3 and rows[0]["state"] == "queued"
+    assert main(["journal", "--journal", str(path), "tail", "-n", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and "error: runner died" in out[-1]
+    assert main(["journal", "--journal", str(path), "tail", "-n", "0"]) == 2
+    assert "-n 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _journal(tmp_path)
+    assert main(["journal", "--journal", str(path), "export", "--state", "done"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["id"] for r in rows] == ["req-1", "req-2", "req-3"]
+    assert rows[0]["tokens"] == [10, 11, 12] and rows[0]["text_offset"] == 3
+    assert "exported 3 request(s)" in captured.err
+    assert main(["journal", "--journal", str(path), "export", "--state", "bogus"]) == 2
+    assert "unknown state 'bogus'. Hint: use one of queued" in capsys.readouterr().err
+
+
+def test_vacuum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _journal(tmp_path)
+    assert main(["journal", "--journal", str(path), "vacuum", "--keep", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pruned_requests"] == 3 and result["bytes_after"] <= result["bytes_before"]
+    store = JournalStore(open_journal(path, readonly=True))
+    assert sorted(r.id for r in store.requests()) == ["req-3", "req-4"]
+    store.close()
+    assert main(["journal", "--journal", str(path), "vacuum", "--max-age", "-1"]) == 2
+    assert "--max-age -1.0 must be >= 0" in capsys.readouterr().err
+
+
+def test_missing_and_corrupt_journal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.sqlite3"
+    for action in ("stats", "vacuum"):
+        assert main(["journal", "--journal", str(missing), action]) == 1
+        err = capsys.readouterr().err
+        assert f"no journal at {missing}" in err and "Hint:" in err
+    assert not missing.exists()  # a reader never creates the file
+    bad = tmp_path / "bad.sqlite3"
+    bad.write_bytes(b"garbage!" * 600)
+    assert main(["journal", "--journal", str(bad), "stats"]) == 1
+    assert "cannot read it (file is not a database)" in capsys.readouterr().err
+    assert main(["journal", "--journal", str(bad), "vacuum"]) == 1
+    assert "is corrupt" in capsys.readouterr().err
+    assert bad.read_bytes() == b"garbage!" * 600  # the CLI never moves a file aside
+
+
+def test_help_lists_the_actions(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["journal", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for action in ("stats", "tail", "export", "vacuum"):
+        assert action in out
