@@ -1,0 +1,153 @@
+"""Machine mode of a UART session: COBS frames from an MCU in, ACK/TOKEN/DONE/ERROR/NAK out.
+
+Invariants owned here:
+- An MCU request id (u16) maps to one daemon request per port (the last 256 kept). Every frame
+  that is not valid gets a NAK with its reason; a GENERATE gets an ACK or an ERROR, then TOKEN
+  frames (index = generated-token index, empty pieces skipped) and one DONE or ERROR.
+- RESUME (and a repeated GENERATE id) replaces that id's stream: after the ACK of a RESUME the
+  tokens start at the asked index; frames of the old stream never follow that ACK.
+- Backend failures become ERROR frames; nothing raises into the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from edge_agent.errors import EdgeAgentError
+from edge_agent.protocol import frames as fr
+from edge_agent.transports.backend import Backend, BackendError, Done, GenParams, Token
+
+__all__ = ["MachineSession"]
+
+ERROR_CODES = {
+    "invalid_request": fr.ErrorCode.BAD_REQUEST, "context_exceeded": fr.ErrorCode.BAD_REQUEST,
+    "model_not_found": fr.ErrorCode.BAD_REQUEST, "queue_full": fr.ErrorCode.QUEUE_FULL,
+    "deadline_exceeded": fr.ErrorCode.DEADLINE, "not_found": fr.ErrorCode.NOT_FOUND,
+    "shutting_down": fr.ErrorCode.SHUTTING_DOWN, "cancelled": fr.ErrorCode.CANCELLED,
+}
+
+
+class MachineSession:
+    def __init__(self, backend: Backend, write: Callable[[bytes], None], *, name: str,
+                 stats: Callable[[], dict[str, Any]]) -> None:
+        self.backend = backend
+        self.write = write
+        self.name = name
+        self.stats = stats
+        self.counters = {"naks": 0, "generations": 0}
+        self._streams: dict[int, asyncio.Task[None]] = {}
+        self._rids: OrderedDict[int, str] = OrderedDict()
+
+    async def close(self) -> None:
+        tasks = list(self._streams.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except BaseException:  # noqa: BLE001 - cancelled or failed: closing anyway
+                pass
+
+    def _send(self, type_: fr.FrameType, rid: int, payload: bytes = b"") -> None:
+        self.write(fr.encode_frame(type_, rid, payload))
+
+    def nak(self, rid: int, reason: fr.NakReason, detail: str) -> None:
+        self.counters["naks"] += 1
+        self._send(fr.FrameType.NAK, rid, fr.pack_nak(reason, detail))
+
+    def _error(self, rid: int, code: str, message: str) -> None:
+        err = ERROR_CODES.get(code, fr.ErrorCode.FAILED)
+        self._send(fr.FrameType.ERROR, rid, fr.pack_error(err, message))
+
+    def handle(self, f: fr.Frame) -> None:
+        t = f.type
+        if t == fr.FrameType.GENERATE:
+            try:
+                g = fr.unpack_generate(f.payload)
+            except ValueError as exc:
+                self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+                return
+            prompt: str | list[dict[str, str]] = (
+                [{"role": "user", "content": g.prompt}] if g.chat else g.prompt)
+            try:
+                rid = self.backend.submit(prompt, GenParams(g.max_tokens, g.temperature, g.seed),
+                                          g.priority, g.deadline_ms or None,
+                                          f"uart:{self.name}:mcu")
+            except BackendError as exc:
+                self._error(f.rid, exc.code, str(exc))
+                return
+            except EdgeAgentError as exc:
+                self._error(f.rid, "failed", str(exc))
+                return
+            old = self._rids.pop(f.rid, None)
+            if old is not None:
+                self.backend.cancel(old)
+            self._rids[f.rid] = rid
+            while len(self._rids) > 256:
+                self._rids.popitem(last=False)
+            self.counters["generations"] += 1
+            self._send(fr.FrameType.ACK, f.rid)
+            self._stream_frames(f.rid, rid, 0)
+        elif t in (fr.FrameType.CANCEL, fr.FrameType.RESUME):
+            rid = self._rids.get(f.rid)
+            if rid is None:
+                self._error(f.rid, "not_found", f"no request with id {f.rid} on this port. "
+                            "Hint: ids are kept for the last 256 GENERATE frames.")
+                return
+            if t == fr.FrameType.CANCEL:
+                self.backend.cancel(rid)
+                self._send(fr.FrameType.ACK, f.rid)
+                return
+            try:
+                start = fr.unpack_resume(f.payload)
+            except ValueError as exc:
+                self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+                return
+            self._send(fr.FrameType.ACK, f.rid)
+            self._stream_frames(f.rid, rid, start)
+        elif t == fr.FrameType.STATUS:
+            try:
+                st = self.backend.status()
+            except EdgeAgentError as exc:
+                self._error(f.rid, "failed", str(exc))
+                return
+            st = {**st, "link": self.stats()}
+            data = json.dumps(st, separators=(",", ":"), default=str).encode()
+            self._send(fr.FrameType.STATUS_REPLY, f.rid, data[:fr.MAX_PAYLOAD])
+        else:
+            self.nak(f.rid, fr.NakReason.UNKNOWN_TYPE,
+                      f"type 0x{t:02x} is a reply type; an MCU sends 0x01-0x04")
+
+    def _stream_frames(self, mcu_id: int, rid: str, start: int) -> None:
+        old = self._streams.pop(mcu_id, None)
+        if old is not None:
+            old.cancel()
+        task = asyncio.ensure_future(self._frames_out(mcu_id, rid, start))
+        self._streams[mcu_id] = task
+
+        def _forget(t: asyncio.Task[None]) -> None:
+            if self._streams.get(mcu_id) is t:
+                del self._streams[mcu_id]
+
+        task.add_done_callback(_forget)
+
+    async def _frames_out(self, mcu_id: int, rid: str, start: int) -> None:
+        try:
+            async for ev in self.backend.events(rid, start):
+                if isinstance(ev, Token):
+                    if ev.text:
+                        self._send(fr.FrameType.TOKEN, mcu_id, fr.pack_token(ev.index, ev.text))
+                elif isinstance(ev, Done):
+                    self._send(fr.FrameType.DONE, mcu_id, fr.pack_done(ev.tokens, ev.reason))
+                    return
+                else:
+                    self._error(mcu_id, ev.code, ev.message)
+                    return
+        except BackendError as exc:
+            self._error(mcu_id, exc.code, str(exc))
+        except EdgeAgentError as exc:
+            self._error(mcu_id, "failed", str(exc))
