@@ -21,7 +21,7 @@ __all__ = ["build_parser", "main", "main_entry", "COMMAND_MODULES"]
 
 # Order here is the order in `edge-agent --help`.
 COMMAND_MODULES = ("model", "tokenize", "generate", "serve", "client", "systemd", "flash",
-                   "doctor", "cgroup")
+                   "doctor", "cgroup", "journal")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -231,6 +231,27 @@ class DaemonClient:
     def unload_model(self, name: str) -> dict[str, Any]:
         return dict(self._json("POST", f"/v1/models/{quote(name, safe='')}/unload", {}))
 
+    def flash_ports(self, port: str | None = None) -> dict[str, Any]:
+        """GET /v1/flash/ports[?port=P]: the ports the daemon owns (and whether P is one)."""
+        path = "/v1/flash/ports" + ("" if port is None else f"?port={quote(port, safe='')}")
+        return dict(self._json("GET", path))
+
+    def flash_submit(self, board: str, port: str, *, elf_path: str | None = None,
+                     elf_bytes: bytes | None = None, **options: Any) -> dict[str, Any]:
+        """POST /v1/flash (the ELF as a path the daemon reads, or its bytes); the job at once."""
+        import base64
+
+        body: dict[str, Any] = {"board": board, "port": port, **options}
+        if elf_bytes is not None:
+            body["elf_base64"] = base64.b64encode(elf_bytes).decode("ascii")
+        else:
+            body["elf"] = elf_path
+        return dict(self._json("POST", "/v1/flash", body, ok=(200, 202)))
+
+    def flash_job(self, job_id: str) -> dict[str, Any]:
+        """GET /v1/flash/{id}: state, phase, progress, result or error of a flash job."""
+        return dict(self._json("GET", f"/v1/flash/{quote(job_id, safe='')}"))
+
     def stream_completion(self, prompt: str | None = None, *,
                           messages: Sequence[Mapping[str, str]] | None = None,
                           **params: Any) -> Generator[str, None, None]:

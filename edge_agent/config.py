@@ -36,6 +36,9 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = [
     "Config",
+    "CgroupConfig",
+    "FlashConfig",
+    "JournalConfig",
     "ServerConfig",
     "SchedulerSettings",
     "RuntimeConfig",
@@ -91,8 +94,42 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class SerialConfig:
-    port: str = ""  # "" = no UART transport
+    port: str = ""  # "" = no UART transport; several ports: comma-separated
     baudrate: int = 115200
+    parity: str = "none"
+    stopbits: float = 1.0
+    rtscts: bool = False
+    echo: bool = True
+    max_line: int = 512
+    mode: str = "auto"  # auto | console | machine
+
+
+@dataclass(frozen=True)
+class JournalConfig:
+    enabled: bool = True
+    path: str = ""  # "": STATE_DIR/journal.sqlite3
+    sync: str = "full"
+    ack: str = "durable"
+    max_age_s: float | None = 604800.0
+    max_finished: int = 10000
+
+    def resolve_path(self, state_dir: Path) -> Path:
+        return Path(self.path).expanduser() if self.path else state_dir / "journal.sqlite3"
+
+
+@dataclass(frozen=True)
+class CgroupConfig:
+    enabled: bool = True
+    policy: str = "default"  # a cgroups/*.toml name or a .toml path
+    proc_root: str = ""  # "": /proc (tests point it at a temporary tree)
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    ports: str = ""  # ports the daemon owns for flashing, comma-separated (serial.port too)
+
+    def port_list(self) -> list[str]:
+        return [p.strip() for p in self.ports.split(",") if p.strip()]
 
 
 @dataclass(frozen=True)
@@ -120,6 +157,9 @@ class Config:
     default_model: str
     board: str | None = None
     sources: tuple[str, ...] = ()
+    journal: JournalConfig = JournalConfig()
+    cgroup: CgroupConfig = CgroupConfig()
+    flash: FlashConfig = FlashConfig()
 
     def model(self, name: str | None = None) -> ModelConfigEntry:
         return self.models[name or self.default_model]
@@ -128,7 +168,8 @@ class Config:
         """Plain JSON-able data (for /health and `serve --print-config`). Feeding its leaves back
         as `overrides` reproduces this configuration."""
         out: dict[str, Any] = {"default_model": self.default_model}
-        for section in ("server", "scheduler", "runtime", "serial"):
+        for section in ("server", "scheduler", "runtime", "serial", "journal", "cgroup",
+                        "flash"):
             obj = getattr(self, section)
             out[section] = {
                 f.name: _plain(section, f.name, getattr(obj, f.name)) for f in fields(obj)
@@ -155,6 +196,8 @@ def _plain(section: str, key: str, value: Any) -> Any:
         return value if value is not None else "max"
     if key == "threads":
         return value if value is not None else "auto"
+    if key == "max_age_s":
+        return value if value is not None else "never"
     if key == "ttl_s":
         return value if value is not None else "never"
     if key == "default_timeout_ms":
@@ -196,7 +239,12 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
         "scheduler": SchedulerSettings().as_kwargs(),
         "runtime": {"mlock": "best-effort", "dtype": "f32", "threads": "auto",
                     "memory_budget_bytes": "max"},
-        "serial": {"port": "", "baudrate": 115200},
+        "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
+                   "rtscts": False, "echo": True, "max_line": 512, "mode": "auto"},
+        "journal": {"enabled": True, "path": "", "sync": "full", "ack": "durable",
+                    "max_age_s": 604800.0, "max_finished": 10000},
+        "cgroup": {"enabled": True, "policy": "default", "proc_root": ""},
+        "flash": {"ports": ""},
         "models": {BUILTIN_MODEL: {}},
     }
 
@@ -322,6 +370,9 @@ def _build(
     scheduler = SchedulerSettings(**section("scheduler"))
     runtime = RuntimeConfig(**section("runtime"))
     serial = SerialConfig(**section("serial"))
+    journal = JournalConfig(**section("journal"))
+    cgroup = CgroupConfig(**section("cgroup"))
+    flash = FlashConfig(**section("flash"))
 
     names = sorted({k[1] for k in merged if k[0] == "models"})
     models: dict[str, ModelConfigEntry] = {}
@@ -361,5 +412,8 @@ def _build(
         default_model=default_model,
         board=profile.name if profile else None,
         sources=sources,
+        journal=journal,
+        cgroup=cgroup,
+        flash=flash,
     )
 

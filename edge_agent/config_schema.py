@@ -126,6 +126,12 @@ def _str(value: Any) -> str:
     return value
 
 
+def _nonempty(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a non-empty string, got {_describe(value)}")
+    return value
+
+
 def _path(value: Any) -> Path:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a non-empty path string, got {_describe(value)}")
@@ -158,6 +164,17 @@ def _threads(value: Any) -> int | None:
         return _int(1, 1024)(value)
     except ValueError:
         raise ValueError(f"expected 'auto' or an integer from 1 to 1024, got {value!r}") from None
+
+
+def _stopbits(value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or value not in (1, 1.5, 2):
+        raise ValueError(f"expected 1, 1.5 or 2 stop bits, got {_describe(value)}")
+    return float(value)
 
 
 def _tcp(value: Any) -> str:
@@ -226,6 +243,42 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "port": Key(_str, '"" (off)', "UART of the serial transport, e.g. /dev/ttyAMA0 or a "
                     "pyserial URL"),
         "baudrate": Key(_int(50, 16_000_000), "115200", "UART speed"),
+        "parity": Key(_choice("none", "even", "odd", "mark", "space"), '"none"', "UART parity"),
+        "stopbits": Key(_stopbits, "1", "UART stop bits: 1, 1.5 or 2"),
+        "rtscts": Key(_bool, "false", "RTS/CTS hardware flow control"),
+        "echo": Key(_bool, "true", "console echoes typed characters (off: the terminal echoes)"),
+        "max_line": Key(_int(16, 65536), "512", "longest console line in bytes (longer lines are "
+                        "refused with a message)"),
+        "mode": Key(_choice("auto", "console", "machine"), '"auto"', "auto: console and COBS "
+                    "frames share the port; console or machine: only one of them"),
+    },
+    "journal": {
+        "enabled": Key(_bool, "true", "keep requests, tokens and caches in the SQLite journal "
+                       "(false: nothing survives a restart; for benchmarks)"),
+        "path": Key(_str, '"" (STATE_DIR/journal.sqlite3)', "the journal's SQLite file"),
+        "sync": Key(_choice("full", "extra", "normal", "off"), '"full"',
+                    "PRAGMA synchronous, issued on every open. normal: a power cut can lose the "
+                    "last committed requests and tokens; off: can also corrupt the file"),
+        "ack": Key(_choice("durable", "fast"), '"durable"', "durable: a streamed token is "
+                   "journaled before it is sent; fast: sent first, journaled right after"),
+        "max_age_s": Key(_float(0, 10**10, none_word="never"), "604800",
+                         "finished requests older than this are pruned (\"never\": keep)"),
+        "max_finished": Key(_int(0, 100_000_000), "10000",
+                            "at most this many finished requests are kept (oldest pruned)"),
+    },
+    "cgroup": {
+        "enabled": Key(_bool, "true", "manage a delegated cgroup v2 subtree (supervisor/, "
+                       "models/NAME/) and react to memory pressure; false: budgets by accounting "
+                       "only"),
+        "policy": Key(_nonempty, '"default"', "memory policy: a name from cgroups/*.toml "
+                      "(default, small-board, unlimited) or a path to a .toml file"),
+        "proc_root": Key(_str, '"" (/proc)', "directory read instead of /proc to find the "
+                         "cgroup2 mount and our cgroup (a seam for tests)"),
+    },
+    "flash": {
+        "ports": Key(_str, '"" (none)', "serial ports (or pyserial URLs), comma-separated, that "
+                     "the daemon owns for flashing: `edge-agent flash --port P` hands the job to "
+                     "the daemon (POST /v1/flash) when P is one of them or a serial.port"),
     },
 }
 

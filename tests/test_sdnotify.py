@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -72,12 +73,30 @@ def test_bad_notify_socket_and_dead_receiver(short_dir: Path) -> None:
     with pytest.raises(NotifyError, match=r"NOTIFY_SOCKET='relative/x': expected an absolute "
                        r"path or '@'.*Hint:"):
         Notifier.from_env({"NOTIFY_SOCKET": "relative/x"})
-    n = Notifier(str(short_dir / "gone"))
-    with pytest.raises(NotifyError, match=r"sd_notify b'READY=1.*No such file.*Hint:"):
-        n.ready()
+    logged: list[str] = []
+    n = Notifier(str(short_dir / "gone"), logged.append)
+    assert n.ready() is False  # a failed send is logged, not raised
+    assert n.watchdog() is False and n.dropped == 2
+    assert len(logged) == 1  # the same failure is reported once
+    assert re.search(r"sd_notify b'READY=1.*No such file.*dropped.*Hint:", logged[0]), logged
+    rx = _receiver(str(short_dir / "gone"))
+    with rx:
+        assert n.watchdog() is True and rx.recv(4096) == b"WATCHDOG=1"
     n.close()
     with pytest.raises(ValueError, match="usec must be > 0"):
         Notifier(None).extend_timeout(0)
+
+
+def test_full_manager_queue_never_blocks(short_dir: Path) -> None:
+    """A receiver that does not read: sends would block; they are dropped and logged."""
+    path = str(short_dir / "full")
+    logged: list[str] = []
+    with _receiver(path) as rx, Notifier(path, logged.append) as n:
+        results = [n.watchdog() for _ in range(2000)]  # would hang with a blocking socket
+        assert results[0] is True and results[-1] is False
+        assert n.dropped == results.count(False) > 0
+        assert len(logged) == 1 and "would block" in logged[0] and "Hint:" in logged[0]
+        assert rx.recv(4096) == b"WATCHDOG=1"
 
 
 def test_watchdog_interval() -> None:

@@ -11,6 +11,12 @@ Three forms share one parser, told apart by the first word:
 `check` and `read` are sub-command words; anything else is the ELF path (write `./check` for a
 file named `check`). Options that do not belong to the chosen form are usage errors (exit 2).
 Data (the plan, JSON) goes to stdout; progress and warnings go to stderr.
+
+Daemon handoff: when a daemon answers on its socket (--socket, else server.socket from the
+configuration) and owns --port (its flash.ports or serial.port), the job is posted to it
+(POST /v1/flash, the ELF's bytes in the body) and followed (GET /v1/flash/{id}) with the same
+progress bar and the same summary or --json output; the daemon journals it. Otherwise, or with
+--local, the CLI flashes directly. The daemon cannot share a port with a second opener.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ read: dump flash to a file (default: the whole flash).
 check). --board takes a profile name from board_profiles/ or a .toml path; leave it out to get
 the list of known boards."""
 
-_FLASH_ONLY = ("port", "baud", "dry_run", "resume", "no_go")
+_FLASH_ONLY = ("port", "baud", "dry_run", "resume", "no_go", "local", "socket")
+POLL_S = 0.1
+PROBE_TIMEOUT_S = 5.0
 _READ_ONLY = ("out", "address", "length")
 
 
@@ -76,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="run the checks and the plan only; no port is opened")
     fl.add_argument("--resume", action="store_true", help="finish an interrupted flash job")
     fl.add_argument("--no-go", action="store_true", help="do not start the firmware afterwards")
+    fl.add_argument("--local", action="store_true",
+                    help="flash from this process even when a running daemon owns the port")
+    fl.add_argument("--socket", metavar="PATH",
+                    help="daemon socket (default: server.socket from the configuration)")
     rd = parser.add_argument_group("reading (edge-agent flash read)")
     rd.add_argument("--out", metavar="FILE", help="where to write the flash dump")
     rd.add_argument("--address", type=_int, metavar="A", help="first address (default: flash)")
@@ -211,6 +223,10 @@ def _run_flash(args: argparse.Namespace) -> int:
     from firmware_tools.profiles import load_profile
 
     profile = load_profile(board)
+    if args.port and not args.dry_run and not args.local:
+        handed = _via_daemon(args, profile.name)
+        if handed is not None:
+            return handed
     result = flash_elf(
         args.target,
         profile,
@@ -229,6 +245,96 @@ def _run_flash(args: argparse.Namespace) -> int:
     else:
         print(_summary(result))
     return 0
+
+
+def _daemon_socket(args: argparse.Namespace) -> Any:
+    if args.socket:
+        return args.socket
+    import os
+
+    from edge_agent.config import load_config
+    from edge_agent.errors import ConfigError
+
+    try:
+        return load_config(None, env=os.environ, check_paths=False).server.socket
+    except ConfigError as exc:
+        print(f"edge-agent: warning: cannot find the daemon's socket ({exc}); flashing "
+              "directly", file=sys.stderr)
+        return None
+
+
+def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
+    """Hand the job to a running daemon that owns the port; None when it does not."""
+    from edge_agent.client import DaemonClient, DaemonError
+
+    sock = _daemon_socket(args)
+    if sock is None or not DaemonClient(sock, timeout=PROBE_TIMEOUT_S).available():
+        return None
+    client = DaemonClient(sock, timeout=30.0)
+    try:
+        info = client.flash_ports(args.port)
+    except DaemonError as exc:
+        if exc.status == 404:  # a daemon without flash jobs
+            return None
+        raise
+    if not info.get("owned"):
+        return None
+    try:
+        with open(args.target, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None  # the direct path reports an unreadable ELF with its own message
+    options: dict[str, Any] = {"dry_run": False, "resume": bool(args.resume),
+                               "go": not args.no_go}
+    if args.baud is not None:
+        options["baud"] = args.baud
+    import os
+
+    limit = int(info.get("max_body_bytes") or 0)
+    if len(data) * 4 // 3 + 4096 <= limit:
+        job = client.flash_submit(board, args.port, elf_bytes=data, **options)
+    else:  # too big for the daemon's body limit: let it read the file itself
+        job = client.flash_submit(board, args.port, elf_path=os.path.abspath(args.target),
+                                  **options)
+    print(f"edge-agent: {args.port} is owned by the daemon on {sock}: flash job {job['id']} "
+          "handed to it (--local flashes from here)", file=sys.stderr)
+    bar = _Progress(enabled=not args.json)
+    last = None
+    while job["state"] not in ("done", "failed"):
+        time.sleep(POLL_S)
+        job = client.flash_job(job["id"])
+        prog = job.get("progress") or {}
+        mark = (prog.get("done"), prog.get("total"), job.get("phase"))
+        if mark != last and prog.get("total"):
+            last = mark
+            bar(int(prog["done"]), int(prog["total"]), str(job.get("phase") or ""))
+    if job["state"] == "failed":
+        err = job.get("error") or {}
+        raise DaemonError(
+            "flash_failed",
+            f"flash job {job['id']} ({args.target} to {board} on {args.port}) failed in the "
+            f"daemon: {err.get('message', err)}. Hint: the message above says why; "
+            "`edge-agent flash --resume` continues an interrupted job.")
+    job["result"]["elf"] = args.target  # the daemon flashed its copy of this file
+    result = _result_from(job["result"])
+    for warning in result.warnings:
+        print(f"edge-agent: warning: {warning}", file=sys.stderr)
+    if args.json:
+        _print_json({"ok": True, **job["result"], "daemon_job": job["id"]})
+    else:
+        print(_summary(result))
+    return 0
+
+
+def _result_from(d: dict[str, Any]) -> Any:
+    from firmware_tools.flasher import FlashResult
+
+    fields = dict(d)
+    fields["base"] = int(str(fields["base"]), 16)
+    for key in ("chip_id", "erase_command"):
+        if fields.get(key) is not None:
+            fields[key] = int(str(fields[key]), 16)
+    return FlashResult(**fields)
 
 
 def _run_read(args: argparse.Namespace) -> int:

@@ -4,17 +4,23 @@ stdout carries the completion text and nothing else, written as it is decoded (w
 characters only). Weight preparation progress, the memory-lock report and (with -v) timing go
 to stderr. Sampling parameters are checked before the model is loaded.
 
-Seam for the daemon: `run` is where a request will go to a running daemon's client instead of
-`generate_local` unless `--local` is given; until the daemon exists every request runs locally.
+Invariants owned here:
+- When a daemon answers on its socket (--socket, else server.socket from the configuration)
+  the request goes through it (`DaemonClient.stream_completion`, SSE) and the output is the same
+  text the in-process path prints at temperature 0. `--local` or `--model PATH` (a file, which
+  the daemon's named models cannot take) runs in this process; so does an absent or silent
+  socket. A daemon that answers and then fails is an error (exit 1), never a silent fallback
+  that would load a second copy of the model next to the daemon's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from edge_agent.errors import EXIT_OK, UsageError
 from edge_agent.paths import state_dir
@@ -22,7 +28,12 @@ from edge_agent.runtime.memlock import MLOCK_POLICIES
 from edge_agent.runtime.prepare import DTYPES
 from edge_agent.runtime.sampling import SamplingParams
 
-__all__ = ["register", "run", "generate_local", "sampling_params"]
+if TYPE_CHECKING:
+    from edge_agent.client import DaemonClient
+
+__all__ = ["register", "run", "generate_local", "generate_daemon", "sampling_params"]
+
+PROBE_TIMEOUT_S = 5.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -57,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="BLAS threads for the forward (default: 1)")
     p.add_argument("--local", action="store_true",
                    help="run the model in this process even when a daemon is running")
+    p.add_argument("--socket", metavar="PATH",
+                   help="daemon socket (default: server.socket from the configuration)")
+    p.add_argument("--config", metavar="FILE",
+                   help="configuration file for the default socket "
+                   "(default: /etc/edge-agent/config.toml)")
+    p.add_argument("--daemon-model", metavar="NAME",
+                   help="model name in the daemon (default: the daemon's default model)")
     p.add_argument("-v", "--verbose", action="store_true", help="timing figures on stderr")
     p.set_defaults(func=run)
 
@@ -82,7 +100,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"generate: --threads {args.threads} must be >= 1. Hint: use 1 on a "
                          "busy 2-core board.")
     prompt = _prompt_text(args.prompt, sys.stdin)
-    # The daemon client plugs in here: unless --local, hand the request to a running daemon.
+    if not args.local and not args.model:
+        client = _daemon_client(args)
+        if _answers(client):
+            generate_daemon(client, prompt, params, chat=args.chat, model=args.daemon_model,
+                            verbose=args.verbose)
+            return EXIT_OK
+        if args.verbose:
+            print(f"edge-agent: no daemon answers on {client.socket_path}; running in this "
+                  "process", file=sys.stderr)
+    elif args.daemon_model:
+        raise UsageError("generate: --daemon-model names a model of the daemon; it cannot be "
+                         "used with --local or --model. Hint: drop one of them.")
     generate_local(
         prompt, params, model=Path(args.model) if args.model else None,
         state=state_dir(args.state_dir), chat=args.chat, dtype=args.dtype, mlock=args.mlock,
@@ -142,3 +171,76 @@ def generate_local(
         return len(generated)
     finally:
         engine.close()
+
+
+def _daemon_client(args: argparse.Namespace) -> DaemonClient:
+    from edge_agent.client import DaemonClient
+    from edge_agent.config import load_config
+
+    if args.socket:
+        path = Path(args.socket)
+    else:
+        path = load_config(args.config, env=os.environ, check_paths=False).server.socket
+    # The first token may wait for a model load in the daemon: a long read timeout.
+    return DaemonClient(path, timeout=600.0)
+
+
+def _answers(client: DaemonClient) -> bool:
+    """A short probe (a stuck daemon must not hang `generate` for the long stream timeout)."""
+    from edge_agent.client import DaemonClient
+
+    return DaemonClient(client.socket_path, timeout=PROBE_TIMEOUT_S).available()
+
+
+def generate_daemon(
+    client: DaemonClient,
+    prompt: str,
+    params: SamplingParams,
+    *,
+    chat: bool = False,
+    model: str | None = None,
+    verbose: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Stream the completion from the daemon to `out`; return the number of text pieces."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    print(f"edge-agent: generating through the daemon on {client.socket_path} "
+          "(--local runs in this process)", file=err)
+    body: dict[str, object] = {
+        "max_tokens": params.max_tokens, "temperature": params.temperature,
+        "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if model:
+        body["model"] = model
+    t0 = time.monotonic()
+    if chat:
+        pieces = client.stream_completion(messages=[{"role": "user", "content": prompt}],
+                                          **body)
+    else:
+        pieces = client.stream_completion(prompt, **body)
+    count = 0
+    last = ""
+    first_at: float | None = None
+    try:
+        for piece in pieces:
+            if first_at is None:
+                first_at = time.monotonic()
+            out.write(piece)
+            out.flush()
+            last = piece
+            count += 1
+    finally:
+        pieces.close()  # an interrupted stream disconnects: the daemon cancels the request
+    if getattr(out, "isatty", lambda: False)() and last and not last.endswith("\n"):
+        out.write("\n")
+        out.flush()
+    if verbose:
+        t_end = time.monotonic()
+        ttft = (first_at - t0) if first_at is not None else float("nan")
+        print(f"edge-agent: daemon: first text after {ttft:.2f} s; {count} pieces in "
+              f"{t_end - t0:.2f} s", file=err)
+    return count

@@ -27,10 +27,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from edge_agent.daemon.durable import DaemonJournal
+from edge_agent.daemon.flashing import FlashService
+from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.requests import RequestRecord
-from edge_agent.daemon.sdnotify import Notifier, NotifyError, listen_fds, watchdog_interval
+from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
+from edge_agent.daemon.uart_backend import close_uarts, start_uarts
+from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError, GenerationRequest
 from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler, SchedulerConfig
 from edge_agent.transports.http import HttpServer
@@ -50,9 +55,14 @@ class Daemon:
         self.scheduler = Scheduler(SchedulerConfig(**config.scheduler.as_kwargs()))
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = Metrics()
+        self.memory = MemoryGuard(self)  # cgroup v2 groups, OOM kills, PSI stages
         self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
-        self.notifier = _SafeNotifier(Notifier.from_env(self.env), self.log)
+        # non-blocking; a failed send is logged, never raised (sdnotify.py)
+        self.notifier = Notifier.from_env(self.env, lambda t: self.log(f"warning: {t}"))
+        self.journal = DaemonJournal(self)
         self.stopping = False
+        self.uarts: list[Any] = []  # UartTransport per serial.port (daemon/uart_backend.py)
+        self.flash = FlashService(self)  # POST /v1/flash on owned ports (daemon/flashing.py)
         self.ready = False
         self.started = time.monotonic()
         self._exit = asyncio.Event()
@@ -88,11 +98,16 @@ class Daemon:
     def memory_limit(self) -> int:
         from edge_agent.daemon.routes import cgroup_info
 
-        if self.config.runtime.memory_budget_bytes:
-            return int(self.config.runtime.memory_budget_bytes)
-        limit = cgroup_info().get("memory_max")
-        if isinstance(limit, int):
-            return limit
+        # the service cgroup's memory.max (ours when managed), capped by a configured budget
+        limits = [int(b) for b in (self.config.runtime.memory_budget_bytes,) if b]
+        cg = self.memory.service_memory_max()
+        if cg is None:
+            own = cgroup_info().get("memory_max")
+            cg = own if isinstance(own, int) else None
+        if cg is not None:
+            limits.append(cg)
+        if limits:
+            return min(limits)
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def wait_timeout(self, now: float) -> float | None:
@@ -113,12 +128,14 @@ class Daemon:
                 svc.poke()
 
     def complete_record(self, rec: RequestRecord, now: float) -> None:
-        self.scheduler.finish(rec.id, now, JobState.DONE)
-        self.metrics.request_done(rec, "done")
+        # finish() is None when the job had already ended (cancel/expiry won): counted then.
+        if self.scheduler.finish(rec.id, now, JobState.DONE) is not None:
+            self.metrics.request_done(rec, "done")
 
     def fail_record(self, rec: RequestRecord, now: float, status: int, code: str,
                     message: str) -> None:
-        self.scheduler.finish(rec.id, now, JobState.FAILED, message)
+        if self.scheduler.finish(rec.id, now, JobState.FAILED, message) is None:
+            return  # already ended (and answered, and counted)
         rec.finish(None, error=(status, code, message))
         self.metrics.request_done(rec, "failed")
 
@@ -140,6 +157,7 @@ class Daemon:
             raise ApiError(503, "shutting_down", "the daemon is shutting down. "
                            "Hint: retry when it is back (systemd restarts it).",
                            headers=[("retry-after", "5")])
+        self.memory.check_admission()  # 503 + Retry-After from pressure stage 2 on
         name = req.model or self.config.default_model
         svc = self.services.get(name)
         if svc is None:
@@ -178,6 +196,12 @@ class Daemon:
         rec = RequestRecord(job=job, request=req, model=name, decoder=_decoder(tok),
                             prompt_tokens=len(prompt_ids), stop_ids=svc.stop_ids,
                             context=svc.context)
+        try:
+            self.journal.accept(rec)  # durable before the id is returned
+        except EdgeAgentError as exc:
+            self.scheduler.cancel(job.id, time.monotonic())
+            raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
+                           headers=[("retry-after", "5")]) from exc
         self.records[job.id] = rec
         self._prune()
         svc.poke()
@@ -206,6 +230,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_exit)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.memory.start(loop)  # before any runner: into supervisor/, PSI watched
+        if self.journal.open() is not None:
+            resumed = self.journal.resume()
+            if resumed:
+                self.log(f"journal: {resumed} request(s) re-queued")
         srv = self.config.server
         activated = listen_fds(self.env)
         for sock in activated:
@@ -219,6 +248,7 @@ class Daemon:
             bound = await self.http.listen_tcp(host or "127.0.0.1", int(port))
             where.append(f"tcp {host or '127.0.0.1'}:{bound}")
         self.log(f"listening on {', '.join(where)}")
+        self.uarts = await start_uarts(self)
         for svc in self.services.values():
             svc.task = asyncio.create_task(svc.run(), name=f"model-{svc.name}")
         preload = [s for s in self.services.values() if s.entry.preload]
@@ -278,6 +308,8 @@ class Daemon:
                 self.cancel(rec.id, why="daemon shutting down (drain timeout)")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic() + 1.0))
+        await self.flash.wait(max(1.0, deadline - time.monotonic()))
+        await close_uarts(self.uarts)
         for svc in self.services.values():
             svc.poke()
             if svc.task is not None:
@@ -289,39 +321,10 @@ class Daemon:
                         await svc.task
             if svc.runner is not None:
                 await svc.runner.stop()
+        self.memory.close()  # runners are reaped: remove models/*, stop watching
         self.notifier.close()
+        self.journal.close()
         self.log("stopped")
-
-
-class _SafeNotifier:
-    """sd_notify that can never stall the event loop: a non-blocking datagram socket (a full
-    notify queue drops the message instead of blocking) and errors logged, not raised."""
-
-    def __init__(self, notifier: Notifier, log: Any) -> None:
-        self._n = notifier
-        self._log = log
-        self._warned = False
-        if notifier.enabled and getattr(notifier, "_sock", None) is None:
-            import socket
-
-            notifier._sock = socket.socket(  # type: ignore[attr-defined]
-                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._n, name)
-        if name == "close" or not callable(fn):
-            return fn
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except NotifyError as exc:
-                if not self._warned:
-                    self._warned = True
-                    self._log(f"warning: {exc}")
-                return False
-
-        return call
 
 
 def _decoder(tok: Any) -> Any:

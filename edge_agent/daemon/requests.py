@@ -48,6 +48,7 @@ class RequestRecord:
         self.first_token_at: float | None = None
         self.submitted_mono = time.monotonic()
         self._changed = asyncio.Event()
+        self.on_finish: Any = None  # called once with this record when it finishes (journal)
 
     @property
     def id(self) -> str:
@@ -119,6 +120,8 @@ class RequestRecord:
         self.error = error
         self.extra.update(extra)
         self.done.set()
+        if self.on_finish is not None:
+            self.on_finish(self)
         self._notify()
 
     def _notify(self) -> None:

@@ -89,6 +89,9 @@ class Router:
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)"),
              {"GET": self.get_request, "DELETE": self.delete_request}),
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)/events"), {"GET": self.events}),
+            (re.compile(r"/v1/flash"), {"POST": self.flash_create}),
+            (re.compile(r"/v1/flash/ports"), {"GET": self.flash_ports}),
+            (re.compile(r"/v1/flash/(?P<fid>[^/]+)"), {"GET": self.flash_get}),
         ]
 
     async def handle(self, req: Request) -> Reply:
@@ -124,8 +127,10 @@ class Router:
             "mlock": {n: s.lock for n, s in d.services.items() if s.lock is not None},
             "queue": {"depth": d.scheduler.depth, "queue_max": d.scheduler.config.queue_max,
                       **d.scheduler.counts()},
-            "cgroup": cgroup_info(),
+            "cgroup": {**d.memory.health(), "process": cgroup_info()},
+            "pressure": d.memory.pressure_dict(),
             "socket": str(d.config.server.socket),
+            "journal": d.journal.health(),
         }
         return _json(200 if status == "serving" else 503, body)
 
@@ -150,7 +155,7 @@ class Router:
                     (f'model="{s.name}"', float(s.lifecycle.can_serve)) for s in svcs],
             }
 
-        return Response(200, d.metrics.render(gauges).encode(),
+        return Response(200, (d.metrics.render(gauges) + d.memory.render_metrics()).encode(),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, req: Request) -> Reply:
@@ -241,6 +246,8 @@ class Router:
     def _record(self, rid: str) -> RequestRecord:
         rec = self.d.records.get(rid)
         if rec is None:
+            rec = self.d.journal.rebuild(rid)  # finished earlier, or before a restart
+        if rec is None:
             raise ApiError(404, "request_not_found", f"no request with id {rid!r} (unknown, or "
                            "forgotten after it finished). Hint: use the id POST /v1/requests "
                            "returned.")
@@ -274,3 +281,17 @@ class Router:
         async for i, piece in rec.follow(start):
             yield sse_event({"index": i, "text": piece}, event="token", event_id=i)
         yield sse_event(rec.to_dict(time.monotonic()), event="end")
+
+    # -- flash jobs (daemon/flashing.py) ---------------------------------------------------------
+    async def flash_create(self, req: Request) -> Reply:
+        from edge_agent.daemon.flashing import parse_flash_request
+
+        job = self.d.flash.submit(parse_flash_request(req.body))
+        return _json(202, job.to_dict(), headers=(("location", f"/v1/flash/{job.id}"),))
+
+    async def flash_ports(self, req: Request) -> Reply:
+        port = req.query.get("port", [None])[0]
+        return _json(200, self.d.flash.ports_info(port))
+
+    async def flash_get(self, req: Request, fid: str) -> Reply:
+        return _json(200, self.d.flash.get(fid).to_dict())

@@ -9,13 +9,19 @@ Invariants owned here:
 - Socket activation: fds 3 .. 3+LISTEN_FDS-1 are ours only when LISTEN_PID equals our pid (a
   child that inherited the environment gets none); they are made close-on-exec.
 - The environment is a parameter; nothing here reads os.environ implicitly except as the default.
+- Sending never stalls or kills the caller's event loop: the datagram socket is non-blocking, a
+  notification that would block (the manager's queue is full) or fails (its socket is gone) is
+  dropped, reported through `log` (once per kind of failure until a send succeeds again) and
+  `send` returns False. NotifyError is raised only for setup errors (malformed variables).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 
 from edge_agent.errors import EdgeAgentError
 
@@ -32,7 +38,11 @@ SD_LISTEN_FDS_START = 3
 
 
 class NotifyError(EdgeAgentError, OSError):
-    """A malformed systemd environment variable or a notification that could not be sent."""
+    """A malformed systemd environment variable (setup error; sends never raise it)."""
+
+
+def _stderr_log(text: str) -> None:
+    print(f"edge-agent: warning: {text}", file=sys.stderr, flush=True)
 
 
 def _address(value: str) -> str | bytes:
@@ -49,34 +59,49 @@ def _address(value: str) -> str | bytes:
 class Notifier:
     """Sends sd_notify messages; `Notifier(None)` (no NOTIFY_SOCKET) does nothing."""
 
-    def __init__(self, address: str | None) -> None:
+    def __init__(self, address: str | None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.address = address
         self._target = _address(address) if address else None
         self._sock: socket.socket | None = None
+        self._log = log if log is not None else _stderr_log
+        self._last_failure: int | None = None  # errno of the last reported failure
+        self.dropped = 0  # notifications that could not be sent
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Notifier:
-        return cls(env.get("NOTIFY_SOCKET") or None)
+    def from_env(cls, env: Mapping[str, str] = os.environ,
+                 log: Callable[[str], None] | None = None) -> Notifier:
+        return cls(env.get("NOTIFY_SOCKET") or None, log)
 
     @property
     def enabled(self) -> bool:
         return self._target is not None
 
     def send(self, *lines: str) -> bool:
-        """Send KEY=VALUE lines in one datagram; False when there is no notify socket."""
+        """Send KEY=VALUE lines in one datagram. False when there is no notify socket or the
+        datagram was dropped (would block, or failed: reported through `log`, never raised)."""
         if self._target is None:
             return False
-        if self._sock is None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         payload = "\n".join(lines).encode()
         try:
+            if self._sock is None:
+                self._sock = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
             self._sock.sendto(payload, self._target)
         except OSError as exc:
-            raise NotifyError(
-                f"sd_notify {payload[:60]!r} to NOTIFY_SOCKET={self.address}: "
-                f"{exc.strerror or exc}. Hint: the service manager's socket is gone or full; "
-                "check `systemctl status` and the unit's NotifyAccess=."
-            ) from exc
+            self.dropped += 1
+            code = exc.errno or -1
+            if code != self._last_failure:
+                self._last_failure = code
+                why = ("would block: the service manager's queue is full"
+                       if code in (errno.EAGAIN, errno.EWOULDBLOCK) else (exc.strerror or str(exc)))
+                self._log(
+                    f"sd_notify {payload[:60]!r} to NOTIFY_SOCKET={self.address}: {why}; "
+                    "dropped (further failures of this kind are not reported until a send "
+                    "succeeds). Hint: check `systemctl status` and the unit's NotifyAccess=."
+                )
+            return False
+        self._last_failure = None
         return True
 
     def ready(self, status: str | None = None) -> bool:

@@ -40,7 +40,14 @@ from edge_agent.scheduler import (
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
-__all__ = ["ModelService"]
+__all__ = ["ModelService", "EvictionTimeout"]
+
+EVICT_WAIT_S = 60.0  # how long a load waits for the models it evicts to unload
+EVICT_ROUNDS = 3
+
+
+class EvictionTimeout(EdgeAgentError):
+    """A load could not make room: the models it evicted did not unload in time."""
 
 
 class ModelService:
@@ -106,6 +113,7 @@ class ModelService:
             "budget_bytes": self.budget_bytes, "mlock": self.lock,
             "free_blocks": self.free_blocks, "total_blocks": self.total_blocks,
             "ttl_s": self.entry.ttl_s, "priority": self.entry.priority,
+            "memory": self.daemon.memory.model_dict(self.name),  # cgroup group, OOM kills
         })
         if self._load_progress and self.lifecycle.state is ModelState.LOADING:
             d["load_progress"] = {"done": self._load_progress[0],
@@ -148,8 +156,14 @@ class ModelService:
         if not self.lifecycle.can_serve:  # loading/unloading happen inside _load/_unload
             await self._wait(0.05)
             return
-        free = self.max_batch - len(self.active)
+        free = self.daemon.memory.batch_limit(self.max_batch) - len(self.active)  # PSI stage 1
         new = [] if self.daemon.stopping else sched.take(self.name, free, now)
+        if (not self.active and not new and not self.to_release and not self.daemon.stopping
+                and sched.queued(self.name) > 0):
+            # A lone job waits for company (batch window): the model is not idle, so neither
+            # mark it idle nor let a ttl or an unload request take it away from that job.
+            await self._wait(self.daemon.wait_timeout(now))
+            return
         if not self.active and not new and not self.to_release:
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
@@ -167,6 +181,14 @@ class ModelService:
         await self._step(new, now)
 
     async def _step(self, new: list[Any], now: float) -> None:
+        journal = self.daemon.journal
+        journal.begin_step()  # one journal transaction for the whole step (group commit)
+        try:
+            await self._step_inner(new, now)
+        finally:
+            await journal.commit_step()
+
+    async def _step_inner(self, new: list[Any], now: float) -> None:
         assert self.runner is not None
         adds = []
         for job in new:
@@ -174,6 +196,7 @@ class ModelService:
             rec.restart()
             self.active[job.id] = rec
             adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params})
+        self.daemon.journal.started([a["id"] for a in adds])
         step_ids = [jid for jid in self.active if jid not in {a["id"] for a in adds}]
         msg = {"op": "step", "release": self.to_release, "add": adds, "step": step_ids}
         self.to_release = []
@@ -199,7 +222,10 @@ class ModelService:
                 del self.active[jid]
                 self.to_release.append(jid)
                 continue
-            if rec.push(int(token)):
+            before = len(rec.tokens)
+            finished = rec.push(int(token))
+            self.daemon.journal.token(rec, before)
+            if finished:
                 del self.active[jid]
                 self.to_release.append(jid)
                 self.daemon.complete_record(rec, now)
@@ -223,16 +249,44 @@ class ModelService:
             self.lifecycle.start_warmup(now)
             self.daemon.notifier_extend(f"model {self.name}: warming up")
 
-    def _check_budget(self, now: float) -> None:
+    def _plan_room(self) -> list[str]:
+        """Idle models to evict (LRU) so this one fits; raises BudgetExceeded when it cannot."""
         assert self.budget_bytes is not None
+        sched = self.daemon.scheduler
         loaded = [LoadedModel(s.name, s.budget_bytes or 0, s.lifecycle.last_used or 0.0,
-                              bool(s.active) or s.lifecycle.state is not ModelState.IDLE)
+                              bool(s.active) or s.lifecycle.state is not ModelState.IDLE
+                              or sched.queued(s.name) > 0)
                   for s in self.daemon.services.values()
                   if s is not self and s.lifecycle.resident]
-        for victim in plan_load(self.name, self.budget_bytes, self.daemon.memory_limit(),
-                                loaded):
-            self.daemon.services[victim].unload_requested = True
-            self.daemon.services[victim].poke()
+        return plan_load(self.name, self.budget_bytes, self.daemon.memory_limit(), loaded)
+
+    async def _check_budget(self, now: float) -> None:
+        """Make room before the runner starts: ask the victims to unload and wait until they
+        are UNLOADED (their memory is back), then plan again; never load and hope."""
+        for _ in range(EVICT_ROUNDS):
+            victims = self._plan_room()
+            if not victims:
+                return
+            self.daemon.log(f"model {self.name}: evicting idle {', '.join(victims)} "
+                            f"(least recently used) to fit the memory limit")
+            for victim in victims:
+                self.daemon.services[victim].unload_requested = True
+                self.daemon.services[victim].poke()
+            end = time.monotonic() + EVICT_WAIT_S
+            while any(self.daemon.services[v].lifecycle.resident for v in victims):
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise EvictionTimeout(
+                        f"load model {self.name!r}: evicted model(s) {', '.join(victims)} did "
+                        f"not unload within {EVICT_WAIT_S:.0f} s. Hint: check the daemon's log "
+                        "for a stuck runner; retry the request.")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.daemon.wait_settled(), min(left, 1.0))
+        if self._plan_room():
+            raise EvictionTimeout(
+                f"load model {self.name!r}: other models kept being loaded while evicting "
+                f"for it ({EVICT_ROUNDS} rounds). Hint: retry the request; lower the number of "
+                "models in use at once.")
 
     async def _load(self) -> None:
         sched = self.daemon.scheduler
@@ -243,16 +297,30 @@ class ModelService:
         self.daemon.notifier_extend(f"model {self.name}: loading")
         try:
             self.ensure_tokenizer()
-            self._check_budget(now)
+            await self._check_budget(now)
             env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV_DROP}
             threads = str(self.daemon.config.runtime.threads or 1)
             env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+            # models/<name>/ is created now; the runner joins it right after the spawn
+            attach = self.daemon.memory.runner_hook(self.name, self.budget_bytes)
             runner = RunnerHandle(self.name, self._runner_args(), env=env,
-                                  on_event=self._on_runner_event, on_gone=self.poke)
+                                  on_event=self._on_runner_event, on_gone=self.poke,
+                                  on_spawn=attach)
             self.runner = runner
             ready = await runner.start()
-        except (EdgeAgentError, OSError) as exc:
-            reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure must leave LOADING (FAILED)
+            reason = str(exc) if isinstance(exc, (EdgeAgentError, OSError)) else (
+                f"model {self.name!r}: load failed with {type(exc).__name__}: {exc}. "
+                "Hint: this is a daemon bug; the daemon's log has the details.")
+            if not isinstance(exc, (EdgeAgentError, OSError)):
+                self.daemon.log(f"model {self.name}: unexpected load error: {exc!r}")
+            if self.runner is not None:
+                with contextlib.suppress(Exception):
+                    await self.runner.stop()
+                self.runner = None
+            oom = self.daemon.memory.runner_exited(self.name)  # group removed, OOM attributed
+            if oom:
+                reason = f"{reason} (runner {oom})"
             now = time.monotonic()
             self.lifecycle.fail(now, reason)
             code = "budget_exceeded" if isinstance(exc, BudgetExceeded) else "model_failed"
@@ -283,6 +351,7 @@ class ModelService:
         if self.runner is not None:
             await self.runner.stop()
             self.runner = None
+        self.daemon.memory.runner_exited(self.name)  # remove models/<name>/
         self.lifecycle.unloaded(time.monotonic())
         self.lock = None
         self.free_blocks = None
@@ -293,6 +362,9 @@ class ModelService:
         rc = self.runner.returncode if self.runner else None
         pid = self.runner.pid if self.runner else None
         reason = f"runner (pid {pid}) exited with status {rc}"
+        oom = self.daemon.memory.runner_exited(self.name)  # memory.events first, then rmdir
+        if oom:
+            reason = f"runner (pid {pid}) was {oom}"
         ids = list(self.active)
         self.active.clear()
         self.to_release = []

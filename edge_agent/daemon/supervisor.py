@@ -38,8 +38,10 @@ class RunnerLoadError(EdgeAgentError):
 class RunnerHandle:
     def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 on_gone: Callable[[], None] | None = None) -> None:
+                 on_gone: Callable[[], None] | None = None,
+                 on_spawn: Callable[[int], None] | None = None) -> None:
         self.name = name
+        self.on_spawn = on_spawn  # called with the pid right after the spawn (cgroup attach)
         self.args = list(args)
         self.env = env
         self.on_event = on_event
@@ -71,6 +73,8 @@ class RunnerHandle:
             )
         finally:
             child.close()
+        if self.on_spawn is not None:
+            self.on_spawn(self.proc.pid)
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         first = await self._next_reply()

@@ -1,0 +1,229 @@
+"""The daemon's side of the journal: what the control plane writes, and warm start from it.
+
+Invariants owned here:
+- The control plane (this process, its event loop thread) is the only writer.
+- `accept()` journals a request before its id is returned to the client (a write failure
+  refuses the request with 503, it is never accepted un-journaled).
+- One decode step of a model is ONE journal transaction: the new token of every sequence of
+  the batch, the sequences that started in it, and every request that finished while the step
+  was open (`begin_step` .. `commit_step`). With ack "durable" the step is committed before the
+  event loop can run a stream writer (no await between the runner's reply and the commit), so a
+  token is on disk before it is sent; with "fast" the step is committed after one loop turn,
+  so streams may send first.
+- A finish outside a step (cancel, deadline, shutdown, runner retries exhausted) is journaled
+  at once, in its own transaction.
+- Warm start: the records of journaled requests are rebuilt by pushing their journaled tokens
+  through a fresh RequestRecord (the same code that produced the text), so text, pieces and the
+  detokenizer state equal what they were; a resumed request then replays from its prompt: the
+  runner regenerates (same seed, same positions) the journaled tokens, which are skipped, and
+  continues. (Prefilling prompt + tokens instead needs Engine.add to take a start position.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.daemon.requests import RequestRecord
+from edge_agent.journal import (
+    JournalError,
+    JournalStore,
+    RecoveryPlan,
+    open_journal,
+    recover,
+)
+from edge_agent.protocol.api import ChatMessage, GenerationRequest
+from edge_agent.scheduler import Job, JobState, QueueFull
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.app import Daemon
+
+__all__ = ["DaemonJournal", "final_state"]
+
+
+def final_state(rec: RequestRecord) -> str:
+    """The journal state of a finished record."""
+    if rec.error is not None:
+        return "expired" if rec.error[0] == 504 else "failed"
+    if rec.finish_reason == "cancelled":
+        return "cancelled"
+    return "done"
+
+
+def _request_input(req: GenerationRequest) -> dict[str, Any]:
+    return dataclasses.asdict(req)
+
+
+def _request_from(data: dict[str, Any]) -> GenerationRequest:
+    d = dict(data)
+    if d.get("messages") is not None:
+        d["messages"] = tuple(ChatMessage(**m) for m in d["messages"])
+    d["stop"] = tuple(d.get("stop") or ())
+    return GenerationRequest(**d)
+
+
+class DaemonJournal:
+    def __init__(self, daemon: Daemon) -> None:
+        cfg = daemon.config.journal
+        self.daemon = daemon
+        self.cfg = cfg
+        self.path = cfg.resolve_path(daemon.state_dir)
+        self.store: JournalStore | None = None
+        self.plan: RecoveryPlan | None = None
+        self._step_depth = 0
+        self._rows: list[tuple[str, int, int, int]] = []
+        self._running: list[str] = []
+        self._finishes: dict[str, tuple[str, str, str | None, str | None]] = {}
+        self.steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def open(self) -> RecoveryPlan | None:
+        if not self.cfg.enabled:
+            return None
+        self.store = JournalStore(open_journal(self.path, synchronous=self.cfg.sync.upper()))
+        if self.store.journal.quarantined is not None:
+            self.daemon.log(f"warning: {self.store.journal.quarantined.message()}")
+        self.plan = recover(self.store)
+        self.store.prune(max_age_s=self.cfg.max_age_s, max_finished=self.cfg.max_finished)
+        if self.plan.resume or self.plan.expired:
+            self.daemon.log(self.plan.summary())
+        return self.plan
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def health(self) -> dict[str, Any]:
+        if self.store is None:
+            return {"enabled": False}
+        j = self.store.journal
+        return {
+            "enabled": True, "path": str(self.path), "synchronous": j.synchronous,
+            "ack": self.cfg.ack, "open_s": round(j.open_seconds, 6), "steps": self.steps,
+            "quarantined": None if j.quarantined is None else j.quarantined.to_dict(),
+            "recovery": None if self.plan is None else self.plan.to_dict(),
+        }
+
+    # -- writes -----------------------------------------------------------------------------
+    def accept(self, rec: RequestRecord) -> None:
+        """Journal a new request (before its id goes out)."""
+        rec.on_finish = self.finished
+        if self.store is None:
+            return
+        job = rec.job
+        deadline = None
+        if job.deadline_at is not None:
+            deadline = time.time() + (job.deadline_at - time.monotonic())
+        self.store.add_request(id=job.id, model=rec.model, input=_request_input(rec.request),
+                               prompt_ids=list(job.prompt_ids), params=dict(job.params),
+                               priority=job.priority, deadline=deadline)
+
+    def begin_step(self) -> None:
+        self._step_depth += 1
+
+    def started(self, rids: list[str]) -> None:
+        self._running.extend(rids)
+
+    def token(self, rec: RequestRecord, before: int) -> None:
+        """After rec.push: journal the tokens it appended (none on a replay or a stop id)."""
+        for i in range(before, len(rec.tokens)):
+            self._rows.append((rec.id, i, rec.tokens[i], rec.decoder.offset))
+
+    def finished(self, rec: RequestRecord) -> None:
+        entry = (rec.id, final_state(rec), None if rec.error is None else rec.error[2],
+                 rec.finish_reason)
+        if self._step_depth:
+            self._finishes[rec.id] = entry
+        else:
+            self._write([], [], [entry])
+
+    async def commit_step(self) -> None:
+        if self.cfg.ack == "fast":
+            await asyncio.sleep(0)  # let stream writers send first
+        self._step_depth -= 1
+        if self._step_depth:
+            return
+        rows, running, ends = self._rows, self._running, list(self._finishes.values())
+        self._rows, self._running, self._finishes = [], [], {}
+        self._write(rows, running, ends)
+        self.steps += 1
+
+    def _write(self, rows: list[tuple[str, int, int, int]], running: list[str],
+               ends: list[tuple[str, str, str | None, str | None]]) -> None:
+        if self.store is None or not (rows or running or ends):
+            return
+        try:
+            self.store.append_tokens(rows, finish=ends, running=running)
+        except JournalError as exc:
+            self.daemon.log(f"journal: write failed: {exc}")
+
+    # -- reads and warm start -----------------------------------------------------------------
+    def rebuild(self, rid: str) -> RequestRecord | None:
+        """A RequestRecord of a journaled request (text and pieces recomputed from its tokens)."""
+        if self.store is None:
+            return None
+        jreq = self.store.get_request(rid)
+        svc = None if jreq is None else self.daemon.services.get(jreq.model)
+        if jreq is None or svc is None:
+            return None
+        tokens = [t.token_id for t in self.store.tokens(rid)]
+        return self._record(jreq, tokens, svc)
+
+    def _record(self, jreq: Any, tokens: list[int], svc: Any) -> RequestRecord:
+        from edge_agent.runtime.tokenizer import IncrementalDecoder
+
+        tok = svc.ensure_tokenizer()
+        state = JobState(jreq.state) if jreq.state != "running" else JobState.QUEUED
+        job = Job(id=jreq.id, model=jreq.model, prompt_ids=list(jreq.prompt_ids),
+                  params=dict(jreq.params), priority=int(jreq.priority), state=state,
+                  attempts=int(jreq.attempts))
+        rec = RequestRecord(job=job, request=_request_from(jreq.input), model=jreq.model,
+                            decoder=IncrementalDecoder(tok), prompt_tokens=len(jreq.prompt_ids),
+                            stop_ids=svc.stop_ids, context=svc.context)
+        for t in tokens:
+            rec.push(t)
+        rec.restart()
+        if jreq.finished:
+            error = None
+            if jreq.state != "done" and jreq.state != "cancelled":
+                code = "deadline_exceeded" if jreq.state == "expired" else "failed"
+                error = (504 if jreq.state == "expired" else 503, code, jreq.error or "")
+            reason = "cancelled" if jreq.state == "cancelled" else jreq.finish_reason
+            rec.finish(reason if error is None else None, error=error)
+        return rec
+
+    def resume(self) -> int:
+        """Re-queue what recovery returned; returns how many requests were resumed."""
+        if self.store is None or self.plan is None:
+            return 0
+        d = self.daemon
+        n = 0
+        for item in self.plan.resume:
+            req = item.request
+            svc = d.services.get(req.model)
+            if svc is None:
+                self.store.finish(req.id, "failed", error=f"model {req.model!r} is no longer "
+                                  "configured. Hint: add its [models.NAME] table back.")
+                continue
+            rec = self._record(req, item.tokens, svc)
+            now = time.monotonic()
+            job = rec.job
+            if req.deadline is not None:
+                job.deadline_at = now + (req.deadline - time.time())
+            try:
+                d.scheduler.submit(job, now)
+            except QueueFull as exc:
+                self.store.finish(req.id, "failed", error=f"could not be re-queued after a "
+                                  f"restart: {exc}")
+                continue
+            rec.on_finish = self.finished
+            d.records[job.id] = rec
+            svc.poke()
+            n += 1
+        return n

@@ -1,0 +1,406 @@
+"""The daemon's memory guard: cgroup v2 groups for runners, OOM attribution from memory.events,
+and the staged response to memory pressure (PSI), wired into the event loop.
+
+Invariants owned here:
+- `start()` runs once, before any runner exists: detect, then set up the layout (the daemon moves
+  itself into supervisor/). Without a usable subtree nothing is written; budgets are enforced by
+  accounting alone and /health says what is missing and how to fix it. Only `start()` raises
+  (ConfigError: a bad $MEMORY_PRESSURE_WRITE); later cgroup failures become warnings in /health
+  and the log, and the only exception is `check_admission`'s ApiError (the 503).
+- models/<name>/ is created with the policy's limits (from the model's computed budget) and its
+  memory.events watched before the runner is spawned; the runner is attached right after the
+  spawn (`runner_hook`). After the runner is reaped (death, unload, failed load) memory.events is
+  polled first, so an oom_kill / oom_group_kill is attributed to that model, then the group is
+  removed. `close()` tears the rest down at exit.
+- An OOM kill is counted (/metrics), journaled when the journal is there, logged, and kept per
+  model (/health `models.NAME.memory`); the runner's requests are requeued by the service.
+- Every pressure-stage change is logged, counted, journaled and applied at once: stage >= 1
+  limits new batches (`batch_limit`), >= 2 refuses new requests (503 + Retry-After,
+  `check_admission`) and unloads idle models, 3 fails the lowest-priority running requests with
+  the reason (again at most every `escalate_interval_s` while pressure lasts). Releases come from
+  a timer at `Stages.next_wakeup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.cgroup import (
+    CgroupError,
+    CgroupIO,
+    CgroupManager,
+    CgroupRoot,
+    EventsWatcher,
+    MemoryEvent,
+    ModelGroup,
+    PressureWatcher,
+    Stages,
+    Status,
+    Transition,
+    load_policy,
+    read_pressure,
+)
+from edge_agent.cgroup.stages import STAGE_NAMES
+from edge_agent.errors import EdgeAgentError
+from edge_agent.protocol.api import ApiError
+from edge_agent.scheduler import ModelState
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.app import Daemon
+
+__all__ = ["MemoryGuard", "IO_FACTORY"]
+
+# How cgroup files are accessed. Tests that run the daemon on a temporary tree replace it.
+IO_FACTORY: Callable[[], CgroupIO] = CgroupIO
+EVENTS_POLL_S = 1.0  # memory.events poll period when inotify is unavailable
+
+
+class MemoryGuard:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.cfg = daemon.config.cgroup
+        self.policy = load_policy(self.cfg.policy)  # ConfigError (exit 78) naming file and key
+        self.stages = Stages(self.policy.pressure.stages)
+        self.mgr: CgroupManager | None = None
+        self.status = Status(False, "not started", "", policy=self.policy.name)
+        self.events: EventsWatcher | None = None
+        self.pressure: PressureWatcher | None = None
+        self.pressure_error: str | None = None
+        self.pressure_file: Path | None = None
+        self.oom_kills: dict[str, int] = defaultdict(int)
+        self.memory_events: dict[tuple[str, str], int] = defaultdict(int)
+        self.transitions: dict[tuple[int, int], int] = defaultdict(int)
+        self.shed: dict[str, int] = defaultdict(int)
+        self.last_oom: dict[str, dict[str, Any]] = {}
+        self._oom_pending: dict[str, MemoryEvent] = {}
+        self._last_cancel: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._readers: list[int] = []
+
+    # -- startup / shutdown --------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        log = self.d.log
+        if not self.cfg.enabled:
+            self.status = Status(False, "disabled by configuration (cgroup.enabled = false)",
+                                 "set cgroup.enabled = true", policy=self.policy.name)
+        else:
+            root = CgroupRoot(proc=Path(self.cfg.proc_root or "/proc"), io=IO_FACTORY())
+            self.mgr = CgroupManager.detect(root)
+            self.status = self.mgr.setup(self.policy)
+            self.pressure_file = self.mgr.detection.pressure_file
+        if self.status.available:
+            log(f"cgroup v2: managing {self.status.base} (policy {self.policy.name}); "
+                "this process is in supervisor/, runners go to models/NAME/")
+        else:
+            log(f"cgroup v2: not managed, budgets by accounting only: {self.status.reason}"
+                + (f". Fix: {self.status.fix}" if self.status.fix else ""))
+        for w in self.status.warnings:
+            log(f"cgroup v2: warning: {w}")
+        self.events = EventsWatcher()
+        fd = self.events.fileno()
+        if fd is not None:
+            loop.add_reader(fd, self._on_events)
+            self._readers.append(fd)
+        else:
+            self._later("events", EVENTS_POLL_S, self._on_events)
+        self._start_pressure(loop)
+
+    def _start_pressure(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            pw = PressureWatcher.from_env(self.d.env, self.pressure_file,
+                                          self.policy.pressure.trigger)
+            if pw is None:
+                self.pressure_error = ("off ($MEMORY_PRESSURE_WATCH=/dev/null)"
+                                       if self.d.env.get("MEMORY_PRESSURE_WATCH") else
+                                       "no pressure source (no PSI file found)")
+                self.d.log(f"memory pressure: {self.pressure_error}")
+                return
+            pw.open()
+        except CgroupError as exc:
+            self.pressure_error = str(exc)
+            self.d.log(f"memory pressure: not watched: {exc}")
+            return
+        self.pressure = pw
+        loop.add_reader(pw.fileno(), self._on_pressure)
+        self._readers.append(pw.fileno())
+        self.d.log(f"memory pressure: watching {pw.path} ({pw.kind}"
+                   + (f"; {pw.note}" if pw.note else "") + ")")
+
+    def close(self) -> None:
+        """At exit, after every runner is reaped: remove our groups and stop watching."""
+        for h in self._timers.values():
+            h.cancel()
+        self._timers.clear()
+        if self._loop is not None:
+            for fd in self._readers:
+                self._loop.remove_reader(fd)
+        self._readers.clear()
+        if self.events is not None:
+            self._record(self._safe_poll())
+            self.events.close()
+            self.events = None
+        if self.pressure is not None:
+            self.pressure.close()
+            self.pressure = None
+        if self.mgr is not None:
+            for err in self.mgr.teardown():
+                self.d.log(f"cgroup v2: teardown: {err}")
+
+    # -- runners -------------------------------------------------------------------------------
+    def runner_hook(self, name: str, budget: int | None) -> Callable[[int], None] | None:
+        """Create models/<name>/ now (before the spawn); returns the callback that attaches
+        the runner's pid right after the spawn (None without a usable subtree)."""
+        if self.mgr is None or not self.mgr.available:
+            return None
+        try:
+            group = self.mgr.model_group(name, budget)
+            if group is None:
+                return None
+            if self.events is not None:
+                self.events.watch(name, group.events_file)
+        except (CgroupError, EdgeAgentError) as exc:
+            self._warn(f"model {name}: runner will run outside its own group: {exc}")
+            return None
+        self._oom_pending.pop(name, None)
+        return lambda pid: self._attach(group, pid)
+
+    def _attach(self, group: ModelGroup, pid: int) -> None:
+        try:
+            group.attach(pid)
+        except CgroupError as exc:
+            self._warn(f"model {group.name}: runner (pid {pid}) left outside {group.path}: {exc}")
+
+    def runner_exited(self, name: str) -> str | None:
+        """The runner of `name` is reaped: attribute an OOM kill, then remove its group.
+        Returns the OOM reason ('OOM-killed by the kernel ...') or None."""
+        self._record(self._safe_poll())
+        oom = self._oom_pending.pop(name, None)
+        if self.events is not None:
+            self.events.unwatch(name)
+        if self.mgr is not None and name in self.mgr.groups:
+            group = self.mgr.groups[name]
+            limit = (group.values().get("memory.max") or "?") if oom else None
+            try:
+                self.mgr.remove(name)
+            except CgroupError as exc:
+                self._warn(f"model {name}: group not removed: {exc}")
+        else:
+            limit = None
+        if oom is None:
+            return None
+        where = f"{self.status.base}/models/{name}" if self.status.base else f"models/{name}"
+        reason = (f"OOM-killed by the kernel ({oom.key} +{oom.delta} in {where}/memory.events, "
+                  f"memory.max {limit}). Hint: raise the policy's model.memory_max, lower the "
+                  "model's max_batch or context, or pick a larger cgroup.policy")
+        self.oom_kills[name] += 1
+        self.last_oom[name] = {"at": time.time(), "event": oom.key, "limit": limit,
+                               "reason": reason}
+        self._journal("oom_kill", f"model {name}: runner {reason}")
+        return reason
+
+    def _safe_poll(self) -> list[MemoryEvent]:
+        if self.events is None:
+            return []
+        try:
+            return self.events.poll()
+        except CgroupError as exc:
+            self._warn(f"memory.events: {exc}")
+            return []
+
+    def _on_events(self) -> None:
+        self._record(self._safe_poll())
+        if self.events is not None and self.events.fileno() is None:
+            self._later("events", EVENTS_POLL_S, self._on_events)  # no inotify: poll
+
+    def _record(self, evs: list[MemoryEvent]) -> None:
+        for ev in evs:
+            if ev.key == "gone":
+                continue
+            self.memory_events[(ev.group, ev.key)] += ev.delta
+            if ev.is_oom_kill:
+                if ev.key == "oom_group_kill" or ev.group not in self._oom_pending:
+                    self._oom_pending[ev.group] = ev
+                self.d.log(f"memory: {ev.describe()}: the kernel killed the runner of model "
+                           f"{ev.group} (its memory.max was reached)")
+            elif ev.key in ("high", "max"):
+                self.d.log(f"memory: {ev.describe()}")
+
+    # -- pressure ------------------------------------------------------------------------------
+    def _on_pressure(self) -> None:
+        pw = self.pressure
+        if pw is None:
+            return
+        try:
+            hit = pw.handle_ready()
+        except CgroupError as exc:
+            hit = False
+            pw.closed = True
+            self.pressure_error = str(exc)
+        if pw.closed:
+            self.pressure_error = self.pressure_error or f"{pw.path}: closed by the other end"
+            self.d.log(f"memory pressure: no longer watched: {self.pressure_error}")
+            if self._loop is not None:
+                self._loop.remove_reader(pw.fileno())
+                self._readers.remove(pw.fileno())
+            pw.close()
+            self.pressure = None
+            return
+        if not hit:
+            return
+        now = time.monotonic()
+        t = self.stages.on_pressure(now)
+        if t is not None:
+            self._changed(t)
+        self._act(now, escalated=t is not None)
+        self._schedule_release(now)
+
+    def _still_high(self) -> bool:
+        """A PSI reading above the trigger's share (stall/window) says pressure is not over."""
+        trig = self.policy.pressure.trigger
+        if self.pressure_file is None:
+            return False
+        try:
+            stats = read_pressure(self.pressure_file)
+        except CgroupError:
+            return False
+        avg = stats.some_avg10 if trig.kind == "some" else (stats.full_avg10 or 0.0)
+        return avg >= 100.0 * trig.stall_us / trig.window_us
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        t = self.stages.tick(now, still_high=self._still_high())
+        if t is not None:
+            self._changed(t)
+        self._schedule_release(now)
+
+    def _schedule_release(self, now: float) -> None:
+        at = self.stages.next_wakeup(now)
+        if at is not None:
+            self._later("release", max(0.01, at - now + 0.01), self._tick)
+
+    def _later(self, key: str, delay: float, fn: Callable[[], None]) -> None:
+        if self._loop is None or self.d.stopping:
+            return
+        old = self._timers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        self._timers[key] = self._loop.call_later(delay, fn)
+
+    def _changed(self, t: Transition) -> None:
+        self.transitions[(t.from_stage, t.to_stage)] += 1
+        self.d.log(t.describe())
+        self._journal("memory_pressure", t.describe())
+        for svc in self.d.services.values():
+            svc.poke()  # batch limits changed
+
+    def _act(self, now: float, *, escalated: bool) -> None:
+        a = self.stages.actions
+        if a.unload_idle:
+            for svc in self.d.services.values():
+                if (svc.lifecycle.state is ModelState.IDLE and not svc.active
+                        and self.d.scheduler.queued(svc.name) == 0):
+                    self.d.log(f"memory pressure: unloading idle model {svc.name}")
+                    svc.unload_requested = True
+                    svc.poke()
+        interval = self.stages.config.escalate_interval_s
+        if a.cancel_lowest and (escalated or self._last_cancel is None
+                                or now - self._last_cancel >= interval):
+            self._last_cancel = now
+            self._cancel_lowest(now)
+
+    def _cancel_lowest(self, now: float) -> None:
+        running = [rec for svc in self.d.services.values() for rec in svc.active.values()
+                   if not rec.done.is_set()]
+        if not running:
+            return
+        prios = {rec.job.priority for rec in running}
+        low = min(prios)
+        victims = [rec for rec in running if rec.job.priority == low]
+        if len(prios) == 1:  # one level only: shed the newest, keep the rest going
+            victims = [max(running, key=lambda r: r.job.started_at or 0.0)]
+        for rec in victims:
+            msg = (f"request {rec.id} (model {rec.model}, priority {rec.job.priority}) cancelled "
+                   f"under memory pressure: stage 3 ({STAGE_NAMES[3]}) sheds the lowest-priority "
+                   "running requests so the kernel does not have to kill a runner. Hint: retry "
+                   "later, or send it with a higher priority.")
+            self.shed[rec.model] += 1
+            self.d.fail_record(rec, now, 503, "memory_pressure", msg)
+            self.d.log(msg)
+            self._journal("memory_pressure", msg)
+            svc = self.d.services.get(rec.model)
+            if svc is not None:
+                svc.poke()
+
+    # -- what the daemon asks ------------------------------------------------------------------
+    def batch_limit(self, max_batch: int) -> int:
+        return self.stages.actions.batch_limit(max_batch)
+
+    def check_admission(self) -> None:
+        a = self.stages.actions
+        if not a.admit:
+            raise ApiError(503, "memory_pressure", f"not admitting new requests: memory pressure "
+                           f"stage {self.stages.stage} ({self.stages.name}). Hint: retry after "
+                           f"{a.retry_after_s} s; stages release when pressure stays low for "
+                           f"{self.stages.config.hold_s:g} s.",
+                           headers=[("retry-after", str(a.retry_after_s))])
+
+    def service_memory_max(self) -> int | None:
+        """memory.max of the service's cgroup (our delegated group), when managed and limited."""
+        if self.mgr is None or not self.mgr.available:
+            return None
+        text = self.mgr.fs.read_optional(self.mgr.base, "memory.max")
+        text = (text or "").strip()
+        return int(text) if text.isdigit() else None
+
+    def model_dict(self, name: str) -> dict[str, Any]:
+        group = self.mgr.groups.get(name) if self.mgr is not None else None
+        return {"group": str(group.path) if group else None,
+                "limits": group.values() if group else None,
+                "oom_kills": self.oom_kills.get(name, 0),
+                "last_oom": self.last_oom.get(name)}
+
+    def health(self) -> dict[str, Any]:
+        out = self.status.to_dict()
+        out["service_memory_max"] = self.service_memory_max()
+        if self.mgr is not None:
+            out["detection"] = self.mgr.detection.to_dict()
+        out["oom_kills"] = {n: self.model_dict(n)["oom_kills"] for n in self.d.services}
+        return out
+
+    def pressure_dict(self) -> dict[str, Any]:
+        pw = self.pressure
+        out: dict[str, Any] = dict(self.stages.to_dict())
+        out.update(source=str(pw.path) if pw else None, kind=pw.kind if pw else None,
+                   trigger=str(self.policy.pressure.trigger), error=self.pressure_error,
+                   retry_after_s=self.stages.actions.retry_after_s,
+                   batch_limits={n: self.batch_limit(s.max_batch)
+                                 for n, s in self.d.services.items()})
+        return out
+
+    def render_metrics(self) -> str:
+        from edge_agent.daemon.memory_metrics import render
+
+        return render(self)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _warn(self, text: str) -> None:
+        self.status.warnings.append(text)
+        del self.status.warnings[:-20]
+        self.d.log(f"cgroup v2: warning: {text}")
+
+    def _journal(self, kind: str, message: str) -> None:
+        store = getattr(getattr(self.d, "journal", None), "store", None)  # DaemonJournal
+        record = getattr(store, "record_event", None)
+        if record is None:
+            return
+        with contextlib.suppress(EdgeAgentError, sqlite3.Error, OSError):
+            record(kind, message)

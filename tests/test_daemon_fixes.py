@@ -1,0 +1,68 @@
+"""Control-plane bookkeeping, in process (no runner, no socket): a load that fails with an
+unexpected exception leaves LOADING for FAILED and answers the waiting requests; a request that
+ended (cancel/expiry) before its runner reported is counted once in the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from edge_agent.config import load_config
+from edge_agent.daemon.app import Daemon
+from edge_agent.protocol.api import parse_generation
+from edge_agent.scheduler import JobState, ModelState
+
+
+def _daemon(tmp_path: Path) -> Daemon:
+    cfg = load_config(None, env={}, check_paths=False, overrides={
+        "server.socket": str(tmp_path / "s.sock"), "server.state_dir": str(tmp_path),
+        "journal.enabled": False, "cgroup.enabled": False, "models.smollm2.context": 256})
+    return Daemon(cfg, env={})
+
+
+def _submit(d: Daemon, prompt: str = "Hello") -> object:
+    return d.submit(parse_generation({"prompt": prompt, "max_tokens": 4}, chat=False,
+                                     max_tokens_limit=64))
+
+
+def test_unexpected_load_error_fails_the_model_and_its_requests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        d = _daemon(tmp_path)
+        svc = d.services["smollm2"]
+        rec = _submit(d)
+
+        def broken() -> None:  # a bug-shaped failure: not an EdgeAgentError nor an OSError
+            raise KeyError("n_layers")
+
+        monkeypatch.setattr(svc, "_runner_args", broken)
+        await svc._load()
+        assert svc.lifecycle.state is ModelState.FAILED
+        assert "KeyError" in (svc.lifecycle.reason or "") and "Hint:" in svc.lifecycle.reason
+        assert rec.done.is_set() and rec.error is not None
+        assert rec.error[0] == 503 and rec.error[1] == "model_failed"
+        assert d.metrics.requests[("smollm2", "failed")] == 1
+        assert svc.runner is None
+
+    asyncio.run(go())
+
+
+def test_request_ended_before_its_result_is_counted_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        d = _daemon(tmp_path)
+        rec = _submit(d)
+        now = time.monotonic()
+        d.scheduler.take("smollm2", 4, now + 1.0)  # running
+        d.cancel(rec.id)  # the client went away
+        assert d.metrics.requests[("smollm2", "cancelled")] == 1
+        d.complete_record(rec, now)  # the runner's last token arrives late
+        d.fail_record(rec, now, 500, "runner_error", "late failure")
+        assert d.metrics.requests[("smollm2", "done")] == 0
+        assert d.metrics.requests[("smollm2", "failed")] == 0
+        assert rec.error is None and rec.finish_reason == "cancelled"
+        assert d.scheduler.get(rec.id).state is JobState.CANCELLED
+
+    asyncio.run(go())

@@ -1,0 +1,322 @@
+"""End to end over UART: `python -m edge_agent serve` with serial.port on real ptys, real model.
+
+One daemon for the module, with two ports: the slave of an os.openpty pair (console and frames
+share it) and, when socat is installed, one end of a socat pty pair that is killed and restarted
+(a USB adapter unplugged and plugged back). Outputs are checked against the same daemon's HTTP
+API at temperature 0 (the same scheduler and runner serve both).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import serial
+
+from edge_agent.protocol import frames as fr
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=60)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class Pty:
+    """The far end of the daemon's port: a pty master, read with select and a deadline."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+        self.demux = fr.PortDemux()
+        self.pending: list[fr.Frame] = []
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def _fill(self, until: float) -> None:
+        r, _, _ = select.select([self.fd], [], [], max(0.0, until - time.monotonic()))
+        if r:
+            self.buf += os.read(self.fd, 65536)
+
+    def expect(self, needle: bytes, timeout: float = 30.0) -> bytes:
+        end = time.monotonic() + timeout
+        while needle not in self.buf:
+            if time.monotonic() > end:
+                raise AssertionError(f"no {needle!r} within {timeout} s; got {bytes(self.buf)!r}")
+            self._fill(end)
+        cut = self.buf.index(needle) + len(needle)
+        out = bytes(self.buf[:cut])
+        del self.buf[:cut]
+        return out
+
+    def frames(self, rid: int, until_type: int, timeout: float = 60.0) -> list[fr.Frame]:
+        """Frames for `rid` (CRC checked; console text skipped) up to the first `until_type`;
+        later frames stay pending for the next call."""
+        out: list[fr.Frame] = []
+        end = time.monotonic() + timeout
+        while True:
+            while self.pending:
+                f = self.pending.pop(0)
+                if f.rid == rid:
+                    out.append(f)
+                    if f.type == until_type:
+                        return out
+            if time.monotonic() > end:
+                raise AssertionError(f"no frame type {until_type:#x} within {timeout} s: {out}")
+            if not self.buf:
+                self._fill(end)
+            data = bytes(self.buf)
+            self.buf.clear()
+            for ev in self.demux.feed(data, 0.0):
+                assert not isinstance(ev, fr.FrameError), ev
+                if isinstance(ev, fr.Frame):
+                    self.pending.append(ev)
+
+    def drain(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self._fill(end)
+        self.buf.clear()
+        self.pending.clear()
+        self.demux = fr.PortDemux()
+
+
+@dataclass
+class Served:
+    root: Path
+    proc: subprocess.Popen[bytes]
+    pty: Pty
+    log: Path
+    socat_link: Path | None
+    socat_peer: Path | None
+    socat: subprocess.Popen[bytes] | None
+
+    def http(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        conn = UnixHTTPConnection(str(self.root / "ea.sock"))
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def completion(self, prompt: str, max_tokens: int) -> str:
+        status, r = self.http("POST", "/v1/completions",
+                              {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert status == 200, r
+        return str(r["choices"][0]["text"])
+
+    def wait_quiet(self) -> None:
+        end = time.monotonic() + 30
+        while True:
+            _, h = self.http("GET", "/health")
+            if h["queue"]["depth"] == 0 and h["models"]["smollm2"]["active"] == 0:
+                return
+            assert time.monotonic() < end, h
+            time.sleep(0.05)
+
+
+def start_socat(a: Path, b: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["socat", f"pty,raw,echo=0,link={a}", f"pty,raw,echo=0,link={b}"],
+                            stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 10
+    while not (a.exists() and b.exists()):
+        assert time.monotonic() < end and proc.poll() is None, "socat made no pty pair"
+        time.sleep(0.01)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def served(prepared_state_dir: Path) -> Iterator[Served]:
+    root = Path(tempfile.mkdtemp(prefix="eu-", dir="/tmp"))
+    master, slave = os.openpty()
+    slave_path = os.ttyname(slave)
+    os.close(slave)
+    socat = link = peer = None
+    ports = [slave_path]
+    if shutil.which("socat"):
+        link, peer = root / "ttyUSB", root / "ttyPeer"
+        socat = start_socat(link, peer)
+        ports.append(str(link))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
+        "drain_timeout_s = 5\n"
+        '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
+        "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
+        f'[serial]\nport = "{",".join(ports)}"\nbaudrate = 115200\nmax_line = 256\n'
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(root / "notify.sock"))
+    notify.settimeout(1.0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
+    log = root / "daemon.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
+                                 str(cfg)], cwd=REPO, env=env, stdout=fh, stderr=fh)
+    s = Served(root, proc, Pty(master), log, link, peer, socat)
+    try:
+        end = time.monotonic() + 150
+        while True:
+            try:
+                if b"READY=1" in notify.recv(4096).split(b"\n"):
+                    break
+            except TimeoutError:
+                pass
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < end, log.read_text()[-3000:]
+        yield s
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        assert "stopped" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if s.socat is not None and s.socat.poll() is None:
+            s.socat.kill()
+            s.socat.wait()
+        notify.close()
+        os.close(master)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_console_session_prompt_gen_ctrl_c_chat(served: Served) -> None:
+    pty = served.pty
+    pty.send(b"\r")
+    pty.expect(b"edge> ")
+    pty.send(b"status\r")
+    out = pty.expect(b"edge> ")
+    assert b"state: serving" in out and b"smollm2=" in out
+    pty.send(b"flash status\r")
+    assert b"flash: no flash job on record" in pty.expect(b"edge> ")
+    pty.send(b"jobs\r")
+    assert b"no jobs" in pty.expect(b"edge> ")
+    want = served.completion(PROMPT, 10)
+    pty.send(f"gen --max-tokens 10 {PROMPT}\r".encode())
+    out = pty.expect(b"edge> ")
+    text = out.decode("utf-8").split("\r\n", 1)[1].rsplit("\r\n", 1)[0]
+    assert text == want.replace("\n", "\r\n")
+    # Ctrl-C cancels the running generation
+    pty.send(b"gen --max-tokens 400 Once upon a time, in a small village by the sea,\r")
+    pty.expect(b"\r\n")  # the echo; tokens follow
+    end = time.monotonic() + 30
+    while not pty.buf:  # the first token is on the wire: interrupt now
+        pty._fill(end)
+    pty.send(b"\x03")
+    out = pty.expect(b"edge> ", timeout=30)
+    assert b"[cancelled]" in out
+    served.wait_quiet()
+    # chat: each line a user turn until /exit
+    pty.send(b"chat\r")
+    pty.expect(b"you> ")
+    pty.send(b"Name three colours.\r")
+    reply = pty.expect(b"you> ", timeout=60)
+    assert len(reply.strip()) > len(b"Name three colours.") + 2
+    pty.send(b"/exit\r")
+    assert b"chat ended" in pty.expect(b"edge> ")
+
+
+def test_noise_and_garbage_then_the_console_carries_on(served: Served) -> None:
+    pty = served.pty
+    pty.send(b"\xff\xfe\xfd garbage \x80\r")
+    assert b"error: line discarded: invalid UTF-8" in pty.expect(b"edge> ")
+    pty.send(b"gen " + b"x" * 400 + b"\r")
+    assert b"longer than the 256-byte limit" in pty.expect(b"edge> ")
+    pty.send(b"version\r")
+    assert b"edge-agent " in pty.expect(b"edge> ")
+
+
+def test_machine_client_with_crc_checks_status_and_nak(served: Served) -> None:
+    pty = served.pty
+    want = served.completion(PROMPT, 12)
+    g = fr.Generate(PROMPT, priority=8, max_tokens=12, deadline_ms=60000)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 42, fr.pack_generate(g)))
+    frames = pty.frames(42, fr.FrameType.DONE)
+    assert frames[0].type == fr.FrameType.ACK
+    text = "".join(fr.unpack_token(f.payload)[1] for f in frames if f.type == fr.FrameType.TOKEN)
+    assert text == want
+    n, reason = fr.unpack_done(frames[-1].payload)
+    assert reason in ("length", "stop") and n <= 12
+    bad = bytearray(fr.encode_frame(fr.FrameType.STATUS, 43))
+    bad[-3] ^= 0x10  # a flipped bit in the CRC
+    pty.send(bytes(bad))
+    nak = pty.frames(43, fr.FrameType.NAK)[-1]
+    assert fr.unpack_reason(nak.payload)[0] == fr.NakReason.BAD_CRC
+    pty.send(fr.encode_frame(fr.FrameType.STATUS, 44))
+    st = json.loads(pty.frames(44, fr.FrameType.STATUS_REPLY)[-1].payload)
+    assert st["state"] == "serving" and st["link"]["bad_crc"] == 1
+
+
+def test_line_drop_then_resume(served: Served) -> None:
+    pty = served.pty
+    want = served.completion(PROMPT, 24)
+    g = fr.Generate(PROMPT, max_tokens=24)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 7, fr.pack_generate(g)))
+    got: list[tuple[int, str]] = []
+    while len(got) < 3:
+        got.append(fr.unpack_token(pty.frames(7, fr.FrameType.TOKEN)[-1].payload))
+    pty.drain(1.5)  # the line drops: everything sent meanwhile is lost
+    last = got[-1][0]
+    pty.send(fr.encode_frame(fr.FrameType.RESUME, 7, fr.pack_resume(last + 1)))
+    # Frames of the old stream (even its DONE) may still be on the wire; the resumed stream
+    # starts after the ACK of the RESUME.
+    frames = pty.frames(7, fr.FrameType.ACK)
+    frames = pty.frames(7, fr.FrameType.DONE)
+    toks = [fr.unpack_token(f.payload) for f in frames if f.type == fr.FrameType.TOKEN]
+    assert toks and toks[0][0] == last + 1
+    assert "".join(t for _, t in got + toks) == want
+
+
+def test_port_disappears_and_comes_back(served: Served) -> None:
+    if served.socat is None or served.socat_link is None or served.socat_peer is None:
+        pytest.skip("socat is not installed: apt-get install socat (CI installs it)")
+    peer = serial.serial_for_url(str(served.socat_peer), baudrate=115200, timeout=10)
+    peer.write(b"version\r")
+    assert b"edge-agent " in peer.read_until(b"edge> ")
+    peer.close()
+    served.socat.kill()  # unplugged
+    served.socat.wait()
+    time.sleep(1.0)
+    assert served.proc.poll() is None
+    served.socat = start_socat(served.socat_link, served.socat_peer)  # plugged back
+    end = time.monotonic() + 20
+    while True:
+        peer = serial.serial_for_url(str(served.socat_peer), baudrate=115200, timeout=1)
+        peer.write(b"version\r")
+        out = peer.read_until(b"edge> ")
+        peer.close()
+        if b"edge-agent " in out:
+            break
+        assert time.monotonic() < end, served.log.read_text()[-2000:]
+    log = served.log.read_text()
+    assert "link lost" in log and "reopened" in log
+    _, h = served.http("GET", "/health")
+    assert h["status"] == "serving"
