@@ -23,13 +23,25 @@ venv: $(PY)
 model: venv
 	$(VENV)/bin/edge-agent --state-dir $(STATE) model prepare
 
+# The daemon in the foreground. With socat installed, a pty pair offers the serial console:
+# the daemon owns $(STATE)/uart, a person attaches to $(STATE)/console (picocom, screen, minicom).
 run: model
 	@echo "edge-agent: serving on $(STATE)/edge-agent.sock (Ctrl-C stops). In another shell:"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/health"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/v1/completions -d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
 	@echo "  $(VENV)/bin/edge-agent status --socket $(STATE)/edge-agent.sock"
-	EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true $(VENV)/bin/edge-agent --state-dir $(STATE) \
-	    serve --socket $(STATE)/edge-agent.sock
+	@if command -v socat >/dev/null; then \
+	    socat pty,raw,echo=0,link=$(abspath $(STATE))/console pty,raw,echo=0,link=$(abspath $(STATE))/uart & \
+	    socat_pid=$$!; trap "kill $$socat_pid 2>/dev/null" EXIT INT TERM; \
+	    while [ ! -e $(STATE)/uart ]; do sleep 0.05; done; \
+	    echo "  serial console on a pty: picocom -b 115200 $(abspath $(STATE))/console  (quit: C-a C-x)"; \
+	    EDGE_AGENT_SERIAL__PORT=$(abspath $(STATE))/uart EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true \
+	        $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock; \
+	else \
+	    echo "  (install socat to get the serial console on a pty)"; \
+	    EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true \
+	        $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock; \
+	fi
 
 demo: model
 	$(VENV)/bin/edge-agent --state-dir $(STATE) generate --local --chat --max-tokens 48 \
@@ -49,6 +61,8 @@ bench: venv
 	$(PY) bench/runtime.py
 	$(PY) bench/serve.py --state-dir $(STATE)
 	$(PY) bench/flash.py
+	$(PY) bench/uart.py
+	$(PY) bench/journal.py
 
 clean:
 	rm -rf $(VENV) $(STATE) .pytest_cache build *.egg-info
