@@ -105,6 +105,23 @@ class BlockPool:
         blocks = np.asarray(table.blocks, dtype=np.intp)[pos // self.block_size]  # (n,)
         return blocks, pos % self.block_size
 
+    def step_slots(self, tables: list[BlockTable], n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids, offsets), each (B*n,), of the next `n` positions of every table.
+
+        Table-major order (table 0's n slots, then table 1's, ...); the positions start at each
+        table's `length`, whose blocks must already be held (`grow`).
+        """
+        bs = self.block_size
+        if n == 1:  # a decode step: one slot per sequence, no per-table arrays
+            blk = np.fromiter((tab.blocks[tab.length // bs] for tab in tables), dtype=np.intp,
+                              count=len(tables))  # (B,)
+            off = np.fromiter((tab.length % bs for tab in tables), dtype=np.intp,
+                              count=len(tables))  # (B,)
+            return blk, off
+        parts = [self.slots(tab, tab.length, n) for tab in tables]
+        return (np.concatenate([p[0] for p in parts]),  # (B*n,)
+                np.concatenate([p[1] for p in parts]))  # (B*n,)
+
     def padded_block_ids(self, tables: list[BlockTable], n_tokens: int) -> np.ndarray:
         """(B, blocks_for(n_tokens)) block ids, each row padded with block 0 (masked by caller)."""
         width = blocks_for(n_tokens, self.block_size)

@@ -7,10 +7,14 @@ H = query heads, KVH = key/value heads, G = H // KVH, HD = head_dim, L = keys at
 Invariants this module owns:
 - Weights are used as given (zero-copy views of the pinned file are fine); nothing here copies
   or rewrites a weight. float16 weights are widened per matmul (slower, half the memory).
+  Batched decode may hand BLAS a weight in row slabs (views) to reach OpenBLAS's unpacked
+  small-matrix kernel (see `_mm`); each output is still one dot product over the full width.
 - GGUF stores the Q and K projection rows of each head permuted for llama.cpp's "normal" RoPE
   (pair (2i, 2i+1) holds HF's (i, i + HD/2)). Instead of un-permuting (a copy), RoPE here rotates
   adjacent pairs with the matching angle, which gives exactly the HF/transformers result: the
-  q·k dot products are invariant under the same permutation of q and k.
+  q·k dot products are invariant under the same permutation of q and k. The rotation of a
+  pair (x0, x1) is computed as the complex product (x0 + i·x1)(cos + i·sin).
+- Activations are float32 and a step's own buffers, updated in place (no float64 anywhere).
 - Every tensor's shape is checked against the config at construction (ModelFileError naming the
   tensor, the expected and the actual shape).
 - A step writes its keys/values into the sequence's blocks before attending; `table.length` is
@@ -29,7 +33,10 @@ import numpy as np
 from edge_agent.errors import ModelFileError
 from edge_agent.runtime.kvcache import BlockPool, BlockTable
 
-__all__ = ["ModelConfig", "Llama", "SUPPORTED_ARCHITECTURES", "PREFILL_CHUNK"]
+__all__ = [
+    "ModelConfig", "Llama", "SUPPORTED_ARCHITECTURES", "PREFILL_CHUNK",
+    "blas_has_small_kernel",
+]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 PREFILL_CHUNK = 256  # prompt tokens per forward in prefill (bounds the attention scores)
@@ -146,15 +153,55 @@ class _Layer:
     w_down: np.ndarray  # (D, F)
 
 
-def _mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+# OpenBLAS's SkylakeX-family kernels (x86-64 with AVX-512) multiply without packing their
+# operands when M*N*K <= 100**3 and, for the "TN" case that `w @ x.T` maps to, M*N <= 1200
+# (kernel/x86_64/sgemm_small_kernel_permit_skylakex.c). Packing rereads and rewrites the whole
+# weight on every call, which dominates at small batch: slicing the weight's rows into slabs
+# that qualify measured 1.3-2x faster at N = 4..12, ~10 % at 16-24, and no gain at 32. Other
+# kernels (Haswell, ARM) have no such path, so there the weight goes to BLAS in one call.
+_SMALL_MNK = 100**3
+_SMALL_MN = 1200
+_SLAB_MAX_N = 24
+_SLAB_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+
+
+def blas_has_small_kernel() -> bool:
+    """True if numpy's BLAS is OpenBLAS running a kernel with the unpacked small-matrix path.
+
+    Reads threadpoolctl's view (which follows OPENBLAS_CORETYPE); False when unknown.
+    """
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return False
+    for info in threadpool_info():
+        if info.get("user_api") == "blas":
+            arch = str(info.get("architecture") or "").lower()
+            return info.get("internal_api") == "openblas" and arch in _SLAB_KERNELS
+    return False
+
+
+def _mm(x: np.ndarray, w: np.ndarray, *, slabs: bool = False) -> np.ndarray:
     """x (N, in) @ w.T where w is (out, in); float16 weights are widened for this call.
 
     Computed as (w @ x.T).T: OpenBLAS's kernels are ~30 % faster this way round for the small
-    N of batched decode (measured at N = 4..32 with 576-wide weights); the result is a
-    transposed view, which the caller's next reshape copies at negligible cost.
+    N of batched decode than x @ w.T; the result is a transposed view, which the caller's next
+    reshape copies at negligible cost. With `slabs` and 2 <= N <= 24 the weight is taken in row
+    slabs (views, no copy) sized for OpenBLAS's unpacked small-matrix kernel; N = 1 is a
+    matrix-vector product and larger N (prefill) amortise the packing: one call each.
     """
     if w.dtype != np.float32:
         w = w.astype(np.float32)
+    n = x.shape[0]
+    n_out, n_in = w.shape
+    if slabs and 2 <= n <= _SLAB_MAX_N:
+        rows = min(_SMALL_MNK // (n * n_in), _SMALL_MN // n) // 8 * 8
+        if 8 <= rows < n_out:
+            xt = np.ascontiguousarray(x).T  # (in, N), column-major: BLAS "T" operand
+            out = np.empty((n_out, n), dtype=np.float32)  # (out, N)
+            for lo in range(0, n_out, rows):
+                np.matmul(w[lo : lo + rows], xt, out=out[lo : lo + rows])
+            return out.T  # (N, out)
     return (w @ x.T).T  # (N, out)
 
 
@@ -190,6 +237,7 @@ class Llama:
                 )
         self.config = config
         self.tied = tied
+        self.slabs = blas_has_small_kernel()  # see _mm
         self.token_embd = tensors["token_embd.weight"]  # (V, D)
         self.output = tensors["token_embd.weight" if tied else "output.weight"]  # (V, D)
         self.output_norm = _vec(tensors["output_norm.weight"])  # (D,)
@@ -213,9 +261,10 @@ class Llama:
         inv_freq = (1.0 / (np.float32(config.rope_base) ** exponent)).astype(np.float32)  # (HD/2,)
         pos = np.arange(config.context_length, dtype=np.float32)  # (C,)
         angles = pos[:, None] * inv_freq[None, :]  # (C, HD/2)
-        self._cos = np.cos(angles).astype(np.float32)  # (C, HD/2)
-        self._sin = np.sin(angles).astype(np.float32)  # (C, HD/2)
-        assert self._cos.shape[1] == half
+        rot = np.empty((config.context_length, half), dtype=np.complex64)  # (C, HD/2)
+        rot.real = np.cos(angles).astype(np.float32)
+        rot.imag = np.sin(angles).astype(np.float32)
+        self._rot = rot
 
     def new_pool(self, n_blocks: int) -> BlockPool:
         c = self.config
@@ -226,18 +275,26 @@ class Llama:
     # -- pieces ---------------------------------------------------------------------------
 
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        ms = np.mean(x * x, axis=-1, keepdims=True)  # (N, 1)
-        return (x / np.sqrt(ms + np.float32(self.config.rms_eps))) * w  # (N, D)
+        # Same arithmetic as mean(x*x) then x / sqrt(ms + eps) * w, with fewer temporaries.
+        sq = np.square(x)  # (N, D)
+        ms = np.add.reduce(sq, axis=-1, keepdims=True)  # (N, 1)
+        ms /= np.float32(x.shape[-1])
+        ms += np.float32(self.config.rms_eps)
+        np.sqrt(ms, out=ms)
+        np.divide(x, ms, out=sq)
+        sq *= w
+        return sq  # (N, D)
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate adjacent pairs (llama.cpp's "normal" RoPE) of x (N, heads, HD)."""
-        cos = self._cos[positions][:, None, :]  # (N, 1, HD/2)
-        sin = self._sin[positions][:, None, :]  # (N, 1, HD/2)
-        x0, x1 = x[..., 0::2], x[..., 1::2]  # (N, heads, HD/2) each
-        out = np.empty_like(x)  # (N, heads, HD)
-        out[..., 0::2] = x0 * cos - x1 * sin
-        out[..., 1::2] = x0 * sin + x1 * cos
-        return out
+    @staticmethod
+    def _rope(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
+        """Rotate adjacent pairs (llama.cpp's "normal" RoPE) of x (N, heads, HD), in place.
+
+        A pair (x0, x1) read as the complex number x0 + i·x1, times cos + i·sin, is
+        (x0·cos − x1·sin) + i·(x0·sin + x1·cos): one complex multiply per pair.
+        """
+        xc = x.view(np.complex64)  # (N, heads, HD/2), x must be C-contiguous
+        xc *= rot  # rot (N, 1, HD/2)
+        return x
 
     # -- forward --------------------------------------------------------------------------
 
@@ -266,46 +323,63 @@ class Llama:
         for tab in tables:
             pool.grow(tab, tab.length + t)
         positions = (start[:, None] + np.arange(t)[None, :]).reshape(-1)  # (N,)
-        slots = [pool.slots(tab, tab.length, t) for tab in tables]
-        blk = np.concatenate([s[0] for s in slots])  # (N,)
-        off = np.concatenate([s[1] for s in slots])  # (N,)
+        blk, off = pool.step_slots(tables, t)  # (N,), (N,)
         ids = pool.padded_block_ids(list(tables), end)  # (B, W)
         n_keys = ids.shape[1] * pool.block_size  # L
-        # mask[b, t, j]: key j is visible to query t of sequence b (causal, own length only)
-        mask = np.arange(n_keys)[None, None, :] <= positions.reshape(b, t)[:, :, None]  # (B,T,L)
+        # bias[b, t, j]: 0 where key j is visible to query t of sequence b (causal, own length
+        # only), -inf elsewhere; adding it equals masking (x + 0 == x, x + -inf == -inf).
+        visible = np.arange(n_keys)[None, None, :] <= positions.reshape(b, t)[:, :, None]
+        bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))  # (B, T, L)
+        bias = bias[:, None, None]  # (B, 1, 1, T, L)
         kvh, g, hd = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
         scale = np.float32(1.0 / np.sqrt(hd))
+        rot = self._rot[positions][:, None, :]  # (N, 1, HD/2), gathered once for all layers
 
-        x = self.token_embd[tokens.reshape(-1)].astype(np.float32)  # (N, D)
+        sl = self.slabs
+        x = self.token_embd[tokens.reshape(-1)].astype(np.float32, copy=False)  # (N, D), own
         for li, layer in enumerate(self.layers):
             h = self._rmsnorm(x, layer.attn_norm)  # (N, D)
-            q = self._rope(_mm(h, layer.wq).reshape(-1, c.n_heads, hd), positions)  # (N, H, HD)
-            k = self._rope(_mm(h, layer.wk).reshape(-1, kvh, hd), positions)  # (N, KVH, HD)
-            v = _mm(h, layer.wv).reshape(-1, kvh, hd)  # (N, KVH, HD)
+            q = np.ascontiguousarray(_mm(h, layer.wq, slabs=sl))  # (N, H*HD)
+            k = np.ascontiguousarray(_mm(h, layer.wk, slabs=sl))  # (N, KVH*HD)
+            q = self._rope(q.reshape(-1, c.n_heads, hd), rot)  # (N, H, HD)
+            k = self._rope(k.reshape(-1, kvh, hd), rot)  # (N, KVH, HD)
+            v = _mm(h, layer.wv, slabs=sl).reshape(-1, kvh, hd)  # (N, KVH, HD)
             pool.k[li, blk, off] = k
             pool.v[li, blk, off] = v
             keys = pool.k[li][ids].reshape(b, n_keys, kvh, hd)  # (B, L, KVH, HD)
             vals = pool.v[li][ids].reshape(b, n_keys, kvh, hd)  # (B, L, KVH, HD)
+            # One BLAS call per (sequence, kv head): the queries of the G heads sharing a kv
+            # head stacked as rows; keys and values are strided views (leading dimension
+            # KVH*HD), which BLAS reads in place (copying them measured slower).
             qg = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)  # (B, KVH, G, T, HD)
-            scores = qg @ keys.transpose(0, 2, 3, 1)[:, :, None]  # (B, KVH, G, T, L)
-            scores = np.where(mask[:, None, None], scores * scale, -np.inf)  # (B, KVH, G, T, L)
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)  # (B, KVH, G, T, L)
-            probs /= probs.sum(axis=-1, keepdims=True)
-            att = probs @ vals.transpose(0, 2, 1, 3)[:, :, None]  # (B, KVH, G, T, HD)
+            qg = qg.reshape(b, kvh, g * t, hd)  # (B, KVH, G*T, HD) copy
+            scores = np.matmul(qg, keys.transpose(0, 2, 3, 1))  # (B, KVH, G*T, L)
+            scores *= scale
+            s5 = scores.reshape(b, kvh, g, t, n_keys)  # (B, KVH, G, T, L) view
+            s5 += bias
+            s5 -= s5.max(axis=-1, keepdims=True)
+            np.exp(s5, out=s5)  # probs
+            s5 /= s5.sum(axis=-1, keepdims=True)
+            att = np.matmul(scores, vals.transpose(0, 2, 1, 3))  # (B, KVH, G*T, HD)
+            att = att.reshape(b, kvh, g, t, hd)  # (B, KVH, G, T, HD)
             att = att.transpose(0, 3, 1, 2, 4).reshape(b * t, c.n_heads * hd)  # (N, H*HD)
-            x = x + _mm(att, layer.wo)  # (N, D)
+            x += _mm(att, layer.wo, slabs=sl)  # (N, D)
             h = self._rmsnorm(x, layer.ffn_norm)  # (N, D)
-            gate = _mm(h, layer.w_gate)  # (N, F)
+            gate = _mm(h, layer.w_gate, slabs=sl)  # (N, F)
+            # silu(gate) * up, as gate / (1 + exp(-gate)) * up, in one buffer
+            ffn = np.negative(gate)  # (N, F)
             with np.errstate(over="ignore"):  # exp overflow -> inf -> silu == -0.0, as wanted
-                ffn = (gate / (1.0 + np.exp(-gate))) * _mm(h, layer.w_up)  # (N, F)
-            x = x + _mm(ffn, layer.w_down)  # (N, D)
+                np.exp(ffn, out=ffn)
+            ffn += np.float32(1.0)
+            np.divide(gate, ffn, out=ffn)
+            ffn *= _mm(h, layer.w_up, slabs=sl)
+            x += _mm(ffn, layer.w_down, slabs=sl)  # (N, D)
 
         for tab in tables:
             tab.length += t
         if not all_logits:
             x = x.reshape(b, t, c.dim)[:, -1]  # (B, D)
-        logits = _mm(self._rmsnorm(x, self.output_norm), self.output)  # (B or N, V)
+        logits = _mm(self._rmsnorm(x, self.output_norm), self.output, slabs=sl)  # (B or N, V)
         return logits.reshape(b, t, c.vocab_size) if all_logits else logits
 
     def prefill(
