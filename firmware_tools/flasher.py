@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int, str], None]
+SectorMarked = Callable[[list[int], str], None]  # (sector indexes, new state), live
 BLOCK = 256
 PROBE = 16
 
@@ -161,8 +162,10 @@ def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
 
 
 class _Journal:
-    def __init__(self, path: Path | None, head: dict[str, Any], resume: bool) -> None:
+    def __init__(self, path: Path | None, head: dict[str, Any], resume: bool,
+                 on_mark: SectorMarked | None = None) -> None:
         self.path = path
+        self.on_mark = on_mark
         self.doc: dict[str, Any] = {**head, "sectors": {}}
         if path is not None and resume and path.exists():
             try:
@@ -187,6 +190,8 @@ class _Journal:
         self.doc["updated"] = time.time()
         if self.path is not None:
             _write_atomic(self.path, self.doc)
+        if self.on_mark is not None:  # after the progress file: the caller's record follows it
+            self.on_mark(list(indexes), state)
 
     def done(self) -> None:
         if self.path is not None and self.path.exists():
@@ -253,12 +258,15 @@ def flash_elf(
     progress: Progress | None = None,
     state_dir: str | os.PathLike[str] | None = None,
     parity: str | None = None,
+    on_sector: SectorMarked | None = None,
 ) -> FlashResult:
     """Check `elf_path` against `profile` and flash it through the bootloader at `port_url`.
 
     `port_url` is any pyserial URL (`/dev/ttyUSB0`, `socket://h:p`, `stm32sim://?chip=f405`) or
     an open port object. `dry_run` runs the checks and the plan only and opens no port.
     `parity` overrides the profile's (default: the profile's; 'N' on a pty, with a warning).
+    `on_sector(indexes, state)` is called as sectors become erased, written and verified (from
+    this thread; e.g. to journal per-sector progress live).
     """
     from firmware_tools.image import load_elf
 
@@ -287,7 +295,7 @@ def flash_elf(
         )
     path = journal_path(state_dir, image.sha256, profile.name, port_name) if state_dir else None
     head = {"image_sha256": image.sha256, "board": profile.name, "port": port_identity(port_name)}
-    journal = _Journal(path, head, resume)
+    journal = _Journal(path, head, resume, on_mark=on_sector)
     result.journal = str(path) if path else None
     total = sum(j.size for j in jobs)
     report = progress or (lambda done, total, phase: None)
@@ -332,6 +340,8 @@ def flash_elf(
                 result.bytes_written += len(data)
                 written += len(data)
                 report(done + written * size // (2 * todo_size), total, "write")
+            if on_sector is not None:
+                on_sector([index], "written")
             for i, (address, data) in enumerate(job.check):
                 _verify(bl, address, data, index)
                 result.bytes_verified += len(data)

@@ -7,9 +7,12 @@ Invariants owned here:
   STATUS= and /health). EXTEND_TIMEOUT_USEC is sent while a load makes progress.
 - WATCHDOG=1 is sent from the main loop at half of WATCHDOG_USEC, so a stuck loop is caught.
 - Every accepted request ends with an answer: done, cancelled, expired (504 naming queued and
-  ran time), failed (503/500). On SIGTERM: STOPPING=1, queued requests are answered 503, running
-  ones get up to `server.drain_timeout_s` to finish, then are cancelled; runners are stopped and
-  reaped; the socket file is removed; `serve()` returns 0.
+  ran time), failed (503/500). On SIGTERM: STOPPING=1, running requests get up to
+  `server.drain_timeout_s` to finish; with the journal on, the queued ones and those still
+  running at the drain bound stay open in the journal (their clients get 503 "daemon stopping;
+  request ID is kept and resumes after restart") and the next start resumes them; with it off
+  they are answered 503 / cancelled. Runners are stopped and reaped; the socket file is
+  removed; `serve()` returns 0.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
+from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import close_uarts, start_uarts
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError, GenerationRequest
@@ -60,6 +64,7 @@ class Daemon:
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
         self.notifier = Notifier.from_env(self.env, lambda t: self.log(f"warning: {t}"))
         self.journal = DaemonJournal(self)
+        self.sessions = Sessions(self)  # `session` histories (daemon/sessions.py)
         self.stopping = False
         self.uarts: list[Any] = []  # UartTransport per serial.port (daemon/uart_backend.py)
         self.flash = FlashService(self)  # POST /v1/flash on owned ports (daemon/flashing.py)
@@ -165,7 +170,9 @@ class Daemon:
                            f"(registered: {', '.join(sorted(self.services))}). "
                            "Hint: GET /v1/models lists them; add a [models.NAME] table.")
         tok = svc.ensure_tokenizer()
-        if req.chat:
+        if req.session is not None:  # history + the new turn (daemon/sessions.py)
+            prompt_ids = self.sessions.prompt_ids(req, name, tok)
+        elif req.chat:
             assert req.messages is not None
             prompt_ids = list(tok.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in req.messages]))
@@ -176,9 +183,11 @@ class Daemon:
             raise ApiError(400, "invalid_request", f"field {field!r}: encodes to no tokens. "
                            "Hint: send some text.")
         if len(prompt_ids) >= svc.context:
-            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
-                           f"do not fit the context of {svc.context} tokens of model {name!r}. "
-                           "Hint: shorten the prompt or raise the model's context.")
+            what = "" if req.session is None else f" (with the history of session {req.session!r})"
+            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens"
+                           f"{what} do not fit the context of {svc.context} tokens of model "
+                           f"{name!r}. Hint: shorten the prompt or raise the model's context"
+                           + ("; or start a new session." if req.session else "."))
         now = time.monotonic()
         job = Job(
             id=f"req-{uuid.uuid4().hex[:20]}", model=name, prompt_ids=prompt_ids,
@@ -203,6 +212,8 @@ class Daemon:
             raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
                            headers=[("retry-after", "5")]) from exc
         self.records[job.id] = rec
+        if req.session is not None:
+            self.sessions.claim(req.session, job.id)
         self._prune()
         svc.poke()
         self._tick.set()
@@ -287,15 +298,26 @@ class Daemon:
             if wd is not None:
                 self.notifier.watchdog()
 
+    def _keep(self, rec: RequestRecord) -> None:
+        """Answer a waiting client 503 while the request stays open in the journal."""
+        rec.on_finish = None  # not journaled as failed: it stays queued/running there
+        rec.finish(None, error=(503, "shutting_down", f"daemon stopping; request {rec.id} is "
+                                "kept and resumes after restart; GET /v1/requests/"
+                                f"{rec.id}. Hint: read it there once the daemon is back."),
+                   kept=True)
+
     async def shutdown(self) -> None:
         self.stopping = True
         self.notifier.stopping("draining: finishing running requests")
         self.log("stopping: draining")
         now = time.monotonic()
+        kept = self.journal.enabled  # queued work stays journaled and resumes at the next start
         for svc in self.services.values():
             for job in self.scheduler.fail_queued(svc.name, now, "daemon shutting down"):
                 rec = self.records.get(job.id)
-                if rec is not None:
+                if rec is not None and kept:
+                    self._keep(rec)
+                elif rec is not None:
                     rec.finish(None, error=(503, "shutting_down", "the daemon is shutting down "
                                             "before this request started. Hint: resubmit."))
             svc.poke()
@@ -304,7 +326,9 @@ class Daemon:
         while any(s.active for s in self.services.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rec in list(self.records.values()):
-            if not rec.done.is_set():
+            if not rec.done.is_set() and kept:
+                self._keep(rec)  # its journaled tokens stay; the next start continues them
+            elif not rec.done.is_set():
                 self.cancel(rec.id, why="daemon shutting down (drain timeout)")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic() + 1.0))

@@ -12,18 +12,22 @@ Invariants owned here:
   so streams may send first.
 - A finish outside a step (cancel, deadline, shutdown, runner retries exhausted) is journaled
   at once, in its own transaction.
+- A done turn of a `session` extends the session's history right after the step that finished
+  it is committed; a start re-applies any done turn newer than its session (crash in between).
 - Warm start: the records of journaled requests are rebuilt by pushing their journaled tokens
   through a fresh RequestRecord (the same code that produced the text), so text, pieces and the
-  detokenizer state equal what they were; a resumed request then replays from its prompt: the
-  runner regenerates (same seed, same positions) the journaled tokens, which are skipped, and
-  continues. (Prefilling prompt + tokens instead needs Engine.add to take a start position.)
+  detokenizer state equal what they were; a resumed request then continues by prefill: the
+  runner prefills prompt + journaled tokens and samples generation index len(tokens) with the
+  same (seed, position) randomness (Engine.add(..., generated=...)); nothing is regenerated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.daemon.requests import RequestRecord
@@ -31,6 +35,8 @@ from edge_agent.journal import (
     JournalError,
     JournalStore,
     RecoveryPlan,
+    cache_tokenizer,
+    load_cached_tokenizer,
     open_journal,
     recover,
 )
@@ -76,7 +82,9 @@ class DaemonJournal:
         self._rows: list[tuple[str, int, int, int]] = []
         self._running: list[str] = []
         self._finishes: dict[str, tuple[str, str, str | None, str | None]] = {}
+        self._after: list[RequestRecord] = []  # finished in the open step: sessions to save
         self.steps = 0
+        self.write_s = 0.0  # time spent in step/finish transactions (fsync included)
 
     @property
     def enabled(self) -> bool:
@@ -106,6 +114,7 @@ class DaemonJournal:
         return {
             "enabled": True, "path": str(self.path), "synchronous": j.synchronous,
             "ack": self.cfg.ack, "open_s": round(j.open_seconds, 6), "steps": self.steps,
+            "write_s": round(self.write_s, 6),
             "quarantined": None if j.quarantined is None else j.quarantined.to_dict(),
             "recovery": None if self.plan is None else self.plan.to_dict(),
         }
@@ -122,7 +131,8 @@ class DaemonJournal:
             deadline = time.time() + (job.deadline_at - time.monotonic())
         self.store.add_request(id=job.id, model=rec.model, input=_request_input(rec.request),
                                prompt_ids=list(job.prompt_ids), params=dict(job.params),
-                               priority=job.priority, deadline=deadline)
+                               priority=job.priority, deadline=deadline,
+                               session=rec.request.session)
 
     def begin_step(self) -> None:
         self._step_depth += 1
@@ -138,10 +148,12 @@ class DaemonJournal:
     def finished(self, rec: RequestRecord) -> None:
         entry = (rec.id, final_state(rec), None if rec.error is None else rec.error[2],
                  rec.finish_reason)
-        if self._step_depth:
+        if self._step_depth:  # the session grows once the step (its last tokens) is durable
             self._finishes[rec.id] = entry
+            self._after.append(rec)
         else:
             self._write([], [], [entry])
+            self.daemon.sessions.finished(rec, entry[1] == "done")
 
     async def commit_step(self) -> None:
         if self.cfg.ack == "fast":
@@ -150,18 +162,66 @@ class DaemonJournal:
         if self._step_depth:
             return
         rows, running, ends = self._rows, self._running, list(self._finishes.values())
+        after, self._after = self._after, []
         self._rows, self._running, self._finishes = [], [], {}
         self._write(rows, running, ends)
         self.steps += 1
+        for rec in after:
+            self.daemon.sessions.finished(rec, final_state(rec) == "done")
 
     def _write(self, rows: list[tuple[str, int, int, int]], running: list[str],
                ends: list[tuple[str, str, str | None, str | None]]) -> None:
         if self.store is None or not (rows or running or ends):
             return
+        t0 = time.perf_counter()
         try:
             self.store.append_tokens(rows, finish=ends, running=running)
         except JournalError as exc:
             self.daemon.log(f"journal: write failed: {exc}")
+        self.write_s += time.perf_counter() - t0  # the loop waits for it: the journal's cost
+
+    # -- model registry and tokenizer cache -----------------------------------------------------
+    def cached_tokenizer(self, name: str, path: Path) -> Any:
+        """The model's tokenizer from the journal cache when the registry knows this very file
+        (same path, size and mtime, so its recorded sha256 still holds); None otherwise."""
+        if self.store is None:
+            return None
+        try:
+            facts = self.store.get_model(name)
+            st = os.stat(path)
+            if (not facts or not facts.get("sha256") or facts.get("path") != str(path)
+                    or facts.get("size") != st.st_size or facts.get("mtime_ns") != st.st_mtime_ns):
+                return None
+            return load_cached_tokenizer(self.store, str(facts["sha256"]))
+        except (OSError, JournalError) as exc:
+            self.daemon.log(f"journal: tokenizer cache of model {name} unusable: {exc}")
+            return None
+
+    def model_loaded(self, name: str, path: Path, ready: dict[str, Any], tokenizer: Any) -> None:
+        """Registry facts after a load; the tokenizer cached under the source's sha256, which
+        the runner read from the prepared file's header (no re-hash)."""
+        sha = ready.get("source_sha256")
+        if self.store is None or not sha:
+            return
+        try:
+            st = os.stat(path)
+            self.store.record_model(
+                name, path=str(path), sha256=str(sha), size=st.st_size,
+                mtime_ns=st.st_mtime_ns, prepared_path=ready.get("prepared"),
+                last_load_at=time.time(), last_load_s=ready.get("load_s"))
+            if tokenizer is not None and self.store.get_tokenizer(
+                    str(sha), tokenizer.fingerprint) is None:
+                cache_tokenizer(self.store, str(sha), tokenizer)
+        except (OSError, JournalError) as exc:
+            self.daemon.log(f"journal: could not record model {name}: {exc}")
+
+    def model_failed(self, name: str, reason: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.record_model(name, last_failure=reason, last_failure_at=time.time())
+        except JournalError as exc:
+            self.daemon.log(f"journal: could not record the failure of model {name}: {exc}")
 
     # -- reads and warm start -----------------------------------------------------------------
     def rebuild(self, rid: str) -> RequestRecord | None:
@@ -198,11 +258,26 @@ class DaemonJournal:
             rec.finish(reason if error is None else None, error=error)
         return rec
 
+    def _reconcile_sessions(self) -> None:
+        """A turn's session history is saved right after the step that finished it commits;
+        a crash between the two leaves a done turn missing from its session: add it back."""
+        assert self.store is not None
+        rows = self.store.conn.execute(
+            "SELECT r.id FROM requests r LEFT JOIN sessions s ON s.id = r.session WHERE "
+            "r.session IS NOT NULL AND r.state = 'done' AND (s.updated_at IS NULL OR "
+            "r.finished_at > s.updated_at) ORDER BY r.finished_at, r.rowid").fetchall()
+        for (rid,) in rows:
+            rec = self.rebuild(rid)
+            if rec is not None:
+                self.daemon.sessions.finished(rec, True)
+                self.daemon.log(f"journal: session {rec.request.session}: turn {rid} restored")
+
     def resume(self) -> int:
         """Re-queue what recovery returned; returns how many requests were resumed."""
         if self.store is None or self.plan is None:
             return 0
         d = self.daemon
+        self._reconcile_sessions()
         n = 0
         for item in self.plan.resume:
             req = item.request
@@ -224,6 +299,8 @@ class DaemonJournal:
                 continue
             rec.on_finish = self.finished
             d.records[job.id] = rec
+            if rec.request.session is not None:
+                d.sessions.claim(rec.request.session, job.id)
             svc.poke()
             n += 1
         return n

@@ -239,11 +239,15 @@ class FlashService:
             def progress(done: int, total: int, phase: str = "") -> None:
                 loop.call_soon_threadsafe(self._progress, job, done, total, phase)
 
+            def sector(indexes: list[int], state: str) -> None:
+                loop.call_soon_threadsafe(self._sector, job, indexes, state)
+
             from firmware_tools.flasher import flash_elf
 
             result = await asyncio.to_thread(
                 flash_elf, job.elf, profile, req.port, baud=req.baud, dry_run=req.dry_run,
-                resume=req.resume, go=req.go, progress=progress, state_dir=state_dir)
+                resume=req.resume, go=req.go, progress=progress, state_dir=state_dir,
+                on_sector=sector)
         except Exception as exc:  # noqa: BLE001 - every failure is the job's answer
             job.state = "failed"
             job.error = {"code": type(exc).__name__, "message": str(exc)}
@@ -268,6 +272,21 @@ class FlashService:
     def _progress(self, job: FlashJobRecord, done: int, total: int, phase: str) -> None:
         job.done, job.total, job.phase = done, total, phase
         self._touch(job)
+
+    def _sector(self, job: FlashJobRecord, indexes: list[int], state: str) -> None:
+        """Per-sector progress journaled live (flash_jobs/flash_sectors), forward only."""
+        store = self._flash_store()
+        if store is None or job.journal_id is None:
+            return
+        try:
+            current = store.get(job.journal_id)
+            rank = {"pending": 0, "erased": 1, "written": 2, "verified": 3}
+            have = {s.sector: s.state for s in current.sectors} if current else {}
+            forward = [i for i in indexes if rank.get(have.get(i, ""), -1) < rank[state]]
+            if forward:
+                store.mark(job.journal_id, forward, state)
+        except Exception as exc:  # noqa: BLE001 - the journal must not stop the flash
+            self.d.log(f"warning: flash {job.id}: journal sector update failed: {exc}")
 
     def _touch(self, job: FlashJobRecord) -> None:
         job.changed.set()

@@ -5,8 +5,10 @@ Invariants owned here:
   of `pieces` is the output so far and `GET /v1/requests/{id}/events?from=N` can resume at any
   token index. Text is released only as whole UTF-8 characters (IncrementalDecoder) and is held
   back only while it could still be the start of a stop string.
-- A replayed attempt (after a runner death) regenerates tokens deterministically (sampling is
-  keyed by (seed, generation index)); tokens below `len(tokens)` are skipped, not re-emitted.
+- A new attempt (after a runner death or a restart) resumes by prefill: the runner is given
+  prompt + `tokens` and its first token is generation index len(tokens) (sampling is keyed by
+  (seed, generation index)), so nothing is regenerated; a token routed for an index below
+  `len(tokens)` would be skipped, never re-emitted.
 - `finish()` happens once; afterwards the record never changes and `done` is set. Waiters are
   woken through one `asyncio.Condition`-like version counter (no lost wake-ups).
 """
@@ -56,8 +58,9 @@ class RequestRecord:
 
     # -- producer side (the model service) ---------------------------------------------------
     def restart(self) -> None:
-        """A new attempt begins (after a requeue): replay from generation index 0."""
-        self.replay = 0
+        """A new attempt begins (after a requeue): it resumes at generation index len(tokens)
+        (the runner prefills prompt + tokens)."""
+        self.replay = len(self.tokens)
 
     def push(self, token: int) -> bool:
         """Route one generated token; True when the request is complete."""

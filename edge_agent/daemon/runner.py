@@ -7,7 +7,9 @@ steps the control plane sends over the inherited socketpair (ipc.py framing) unt
 Invariants owned here:
 - The runner is stateless towards the outside: it decides nothing. Each `step` message is
   executed in order: releases first (free KV blocks), then prefill of added sequences (each
-  returns its first token), then one batched decode step of the listed sequences.
+  returns its first token; an add with `generated` prefills prompt + those tokens and returns
+  the next one: a resumed request continues where it stopped), then one batched decode step
+  of the listed sequences.
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
 - Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
@@ -77,7 +79,8 @@ def _step(engine: Any, msg: dict[str, Any]) -> dict[str, Any]:
     for add in msg.get("add", ()):
         try:
             tokens[add["id"]] = int(engine.add(add["id"], list(add["prompt"]),
-                                               _params(add["params"])))
+                                               _params(add["params"]),
+                                               generated=list(add.get("generated", ()))))
         except EdgeAgentError as exc:
             errors[add["id"]] = str(exc)
     step_ids = [s for s in msg.get("step", ()) if s not in errors]
@@ -125,7 +128,10 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
     except EdgeAgentError as exc:
         send_frame(sock, {"op": "failed", "error": f"warm-up forward failed: {exc}"})
         return 1
+    info = getattr(getattr(engine, "weights", None), "info", None)  # the prepared file's header
     send_frame(sock, {"op": "ready", "pid": os.getpid(), "load_s": load_s,
+                      "prepared": None if info is None else str(info.path),
+                      "source_sha256": getattr(info, "source_sha256", None),
                       "warm_s": time.monotonic() - t1, "lock": _lock_report(engine),
                       "stop_ids": sorted(int(i) for i in getattr(engine, "stop_ids", ())),
                       "context": int(getattr(engine, "context", args.context)),

@@ -63,6 +63,8 @@ class ModelService:
         self.load_requested = bool(entry.preload)
         self.unload_requested = False
         self.tokenizer: Any = None
+        self.tokenizer_from: str | None = None  # "journal" (warm cache) or "gguf" (built)
+        self.tokenizer_s: float | None = None
         self.stop_ids: frozenset[int] = frozenset()
         self.context: int = int(entry.context)
         self.max_batch: int = int(entry.max_batch)
@@ -95,7 +97,13 @@ class ModelService:
                 prepared_size(g, dtype), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
                 self.max_batch, self.context,
             )
-            tok = Tokenizer.from_metadata(meta, source=str(self.path()))
+            # warm start: the tokenizer from the journal's cache when this file is known there
+            t0 = time.perf_counter()
+            tok = self.daemon.journal.cached_tokenizer(self.name, self.path())
+            self.tokenizer_from = "journal" if tok is not None else "gguf"
+            if tok is None:
+                tok = Tokenizer.from_metadata(meta, source=str(self.path()))
+            self.tokenizer_s = time.perf_counter() - t0
             self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})
             self.tokenizer = tok
         return self.tokenizer
@@ -113,6 +121,8 @@ class ModelService:
             "budget_bytes": self.budget_bytes, "mlock": self.lock,
             "free_blocks": self.free_blocks, "total_blocks": self.total_blocks,
             "ttl_s": self.entry.ttl_s, "priority": self.entry.priority,
+            "tokenizer_from": self.tokenizer_from,
+            "tokenizer_s": None if self.tokenizer_s is None else round(self.tokenizer_s, 6),
             "memory": self.daemon.memory.model_dict(self.name),  # cgroup group, OOM kills
         })
         if self._load_progress and self.lifecycle.state is ModelState.LOADING:
@@ -195,7 +205,8 @@ class ModelService:
             rec = self.daemon.records[job.id]
             rec.restart()
             self.active[job.id] = rec
-            adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params})
+            adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params,
+                         "generated": list(rec.tokens)})  # resume by prefill
         self.daemon.journal.started([a["id"] for a in adds])
         step_ids = [jid for jid in self.active if jid not in {a["id"] for a in adds}]
         msg = {"op": "step", "release": self.to_release, "add": adds, "step": step_ids}
@@ -323,6 +334,7 @@ class ModelService:
                 reason = f"{reason} (runner {oom})"
             now = time.monotonic()
             self.lifecycle.fail(now, reason)
+            self.daemon.journal.model_failed(self.name, reason)
             code = "budget_exceeded" if isinstance(exc, BudgetExceeded) else "model_failed"
             for job in sched.fail_queued(self.name, now, reason):
                 rec = self.daemon.records.get(job.id)
@@ -341,6 +353,7 @@ class ModelService:
         if ready.get("stop_ids"):
             self.stop_ids = frozenset(int(i) for i in ready["stop_ids"])
         self.lifecycle.ready(now, busy=sched.queued(self.name) > 0)
+        self.daemon.journal.model_loaded(self.name, self.path(), ready, self.tokenizer)
         self.daemon.metrics.model_event(self.name, "load")
         self.daemon.model_settled(self)
 

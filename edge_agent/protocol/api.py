@@ -29,11 +29,13 @@ __all__ = [
     "sse_event",
     "SSE_DONE",
     "MAX_STOP",
+    "SESSION_MAX_LEN",
     "PRIORITY_MIN",
     "PRIORITY_MAX",
 ]
 
 MAX_STOP = 4
+SESSION_MAX_LEN = 128
 PRIORITY_MIN = 0
 PRIORITY_MAX = 10
 ROLES = ("system", "user", "assistant")
@@ -86,6 +88,7 @@ class GenerationRequest:
     stream: bool
     priority: int | None
     timeout_ms: int | None
+    session: str | None = None  # conversation id: its token history is kept by the daemon
 
     def sampling_dict(self, seed: int) -> dict[str, Any]:
         """Plain data for the runner's SamplingParams (the seed resolved by the caller)."""
@@ -174,6 +177,17 @@ def _stop(d: Mapping[str, Any]) -> tuple[str, ...]:
     if any(s == "" for s in items):
         raise _bad("stop", "empty stop sequence", "remove the empty string")
     return tuple(items)
+
+
+def _session(d: Mapping[str, Any]) -> str | None:
+    v = d.get("session")
+    if v is None:
+        return None
+    if (not isinstance(v, str) or not 1 <= len(v) <= SESSION_MAX_LEN
+            or not all(c.isascii() and (c.isalnum() or c in "._:-") for c in v)):
+        raise _bad("session", f"expected an id of 1..{SESSION_MAX_LEN} characters A-Z a-z 0-9 "
+                   f"._:- , got {json.dumps(v)}", 'use e.g. "session": "chat-42"')
+    return v
 
 
 def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
@@ -265,6 +279,7 @@ def parse_generation(
         stream=stream,
         priority=_int(d, "priority", None, PRIORITY_MIN, PRIORITY_MAX),
         timeout_ms=_int(d, "timeout_ms", None, 1, 7 * 24 * 3600 * 1000),
+        session=_session(d),
     )
 
 

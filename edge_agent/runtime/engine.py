@@ -10,7 +10,8 @@ Invariants this module owns:
 - `step` is all-or-nothing: every argument is checked and every KV block the step needs is
   available before the forward runs; on an error no sequence has advanced.
 - The token sampled for generation index i of a sequence uses `sample(..., position=i)`, so the
-  same (prompt, params) give the same tokens whatever the batch they were decoded in.
+  same (prompt, params) give the same tokens whatever the batch they were decoded in, and a
+  sequence resumed with `add(..., generated=g)` (prompt + g prefilled) continues at index len(g).
 - BLAS threads are limited to `threads` around every forward (threadpoolctl), restoring the
   process setting afterwards; the runner chooses, the machine's default does not.
 - `release` returns every block of the sequence; `close` releases everything and unmaps.
@@ -182,8 +183,14 @@ class Engine:
 
     # -- step API -------------------------------------------------------------------------
 
-    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        """Prefill `prompt_ids` as a new sequence; return its first sampled token."""
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+            generated: Sequence[int] = ()) -> int:
+        """Prefill `prompt_ids` as a new sequence; return its first sampled token.
+
+        With `generated` (the tokens a previous attempt already produced, e.g. read back from
+        the journal after a restart), prompt + generated are prefilled and the token returned
+        is generation index len(generated), sampled with the same (seed, position) randomness
+        an uninterrupted run uses there: the sequence continues where it stopped."""
         if seq_id in self._seqs:
             raise EngineError(f"engine: sequence {seq_id!r} is already active. Hint: release() "
                               "it first or use a new id.")
@@ -196,6 +203,8 @@ class Engine:
         if not ids:
             raise EngineError(f"engine: sequence {seq_id!r} has an empty prompt. Hint: pass at "
                               "least one token id.")
+        done = len(generated)
+        ids += [int(i) for i in generated]
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise EngineError(
@@ -204,9 +213,10 @@ class Engine:
             )
         if len(ids) >= self.context:
             raise EngineError(
-                f"engine: prompt of {seq_id!r} has {len(ids)} tokens; the context is "
-                f"{self.context} and at least one must remain to generate. Hint: shorten the "
-                "prompt or load the model with a larger context."
+                f"engine: prompt of {seq_id!r} has {len(ids)} tokens"
+                + (f" ({done} of them already generated)" if done else "")
+                + f"; the context is {self.context} and at least one must remain to "
+                "generate. Hint: shorten the prompt or load the model with a larger context."
             )
         table = BlockTable()
         try:
@@ -215,8 +225,8 @@ class Engine:
         except BaseException:
             self.pool.release(table)
             raise
-        token = sample(logits, params, 0)
-        self._seqs[seq_id] = _Seq(table=table, params=params, last=token, generated=1)
+        token = sample(logits, params, done)
+        self._seqs[seq_id] = _Seq(table=table, params=params, last=token, generated=done + 1)
         return token
 
     def step(self, seq_ids: Sequence[str]) -> dict[str, int]:

@@ -1,0 +1,110 @@
+"""Conversation sessions: the token history behind the API's `session` field.
+
+A request with `"session": S` is prefixed with S's history (the exact token ids the model saw in
+the earlier turns), so a chat continues, after a restart too, without the client resending it.
+
+Invariants owned here:
+- A session's history is what the model has seen, token for token: each finished turn's prompt
+  ids, its generated tokens and, for chat, the turn end (`<|im_end|>` + newline). Turn N+1's
+  prompt is history + the ids of the new messages only (no second default system prompt).
+- At most one request per session is open at a time (another is refused with 409
+  `session_busy`), so the history only grows by whole finished turns; a turn that fails or is
+  cancelled leaves the history as it was.
+- The history lives in the journal (`sessions` table) when it is enabled, in memory otherwise;
+  a session belongs to one model (using it with another is 409 `session_model_mismatch`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.journal import JournalError
+from edge_agent.protocol.api import ApiError, GenerationRequest
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.app import Daemon
+    from edge_agent.daemon.requests import RequestRecord
+
+__all__ = ["Sessions", "continuation_ids"]
+
+
+def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The chat-template ids of `messages` as a later turn: no default system prompt (the
+    history already starts with it), the generation prompt at the end."""
+    head = [{"role": "system", "content": ""}]  # suppresses the default system prompt
+    skip = tok.apply_chat_template(head, add_generation_prompt=False)
+    full = tok.apply_chat_template(head + messages)
+    assert full[: len(skip)] == skip
+    return list(full[len(skip):])
+
+
+class Sessions:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.busy: dict[str, str] = {}  # session -> id of its open request
+        self._memory: dict[str, tuple[str, list[int]]] = {}  # when the journal is off
+
+    def history(self, sid: str, model: str) -> list[int]:
+        store = self.daemon.journal.store
+        if store is not None:
+            s = store.get_session(sid)
+            found = None if s is None else (s.model, s.history)
+        else:
+            found = self._memory.get(sid)
+        if found is None:
+            return []
+        if found[0] != model:
+            raise ApiError(409, "session_model_mismatch", f"field 'session': session {sid!r} "
+                           f"is a conversation with model {found[0]!r}, this request is for "
+                           f"{model!r}. Hint: use that model, or a new session id.")
+        return list(found[1])
+
+    def prompt_ids(self, req: GenerationRequest, model: str, tok: Any) -> list[int]:
+        """History + the new turn's ids (the whole prompt when there is no history yet)."""
+        assert req.session is not None
+        if req.session in self.busy:
+            raise ApiError(409, "session_busy", f"field 'session': session {req.session!r} has "
+                           f"request {self.busy[req.session]} still open. Hint: wait for it "
+                           f"(GET /v1/requests/{self.busy[req.session]}) before the next turn.")
+        hist = self.history(req.session, model)
+        if req.chat:
+            assert req.messages is not None
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+            new = continuation_ids(tok, msgs) if hist else list(tok.apply_chat_template(msgs))
+        else:
+            new = list(tok.encode(req.prompt or ""))
+        return hist + new
+
+    def claim(self, sid: str, rid: str) -> None:
+        self.busy[sid] = rid
+
+    def release(self, sid: str, rid: str) -> None:
+        if self.busy.get(sid) == rid:
+            del self.busy[sid]
+
+    def finished(self, rec: RequestRecord, done: bool) -> None:
+        """A turn ended: free the session; when it is done, its history grows by the turn."""
+        sid = rec.request.session
+        if sid is None:
+            return
+        self.release(sid, rec.id)
+        if not done:
+            return
+        history = list(rec.job.prompt_ids) + list(rec.tokens)
+        if rec.request.chat:
+            history += self._turn_end(rec.model)
+        store = self.daemon.journal.store
+        if store is None:
+            self._memory[sid] = (rec.model, history)
+            return
+        try:
+            store.save_session(sid, rec.model, history)
+        except JournalError as exc:
+            self.daemon.log(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
+
+    def _turn_end(self, model: str) -> list[int]:
+        tok = self.daemon.services[model].ensure_tokenizer()
+        template = tok.chat_template
+        if template is None:
+            return []
+        return [template.im_end_id, *tok.encode("\n")]
