@@ -101,6 +101,15 @@ def command_name(code: int) -> str:
 
 def checksum(data: Iterable[int], seed: int = 0) -> int:
     """XOR of all bytes (AN3155's only checksum)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        # Fold the bytes as one integer: a few big-int operations instead of a loop per byte.
+        value = int.from_bytes(data, "little")
+        width = len(data)
+        while width > 1:
+            half = (width + 1) // 2
+            value = (value & ((1 << (8 * half)) - 1)) ^ (value >> (8 * half))
+            width = half
+        return (value ^ seed) & 0xFF if data else seed
     value = seed
     for byte in data:
         value ^= byte

@@ -36,6 +36,9 @@ __all__ = [
     "open_port",
 ]
 
+_ACK_BYTE = bytes((ACK,))
+_READ_COMMAND = an3155.encode_command(Command.READ_MEMORY)
+_WRITE_COMMAND = an3155.encode_command(Command.WRITE_MEMORY)
 _CHECK_WIRING = (
     "check that BOOT0 is high and the chip was reset into its bootloader, that TX/RX are "
     "crossed, and the baud rate and parity (the bootloader uses 8E1)"
@@ -143,6 +146,19 @@ class Bootloader:
                 "Hint: the link dropped; reconnect the adapter and rerun with --resume."
             ) from exc
 
+    def _send_first(self, data: bytes) -> bool:
+        """Send a command frame before its error text is built: True if it went out whole on
+        the tty fast path; False (nothing sent) means call `_send`, which explains failures."""
+        if self._fd is None or self.trace is not None:
+            return False
+        try:
+            n = os.write(self._fd, data)
+            if n < len(data):
+                _write_fd(self._fd, data[n:])
+        except OSError:
+            return False  # EAGAIN or a dead link: `_send` retries and words the error
+        return True
+
     def _recv(self, n: int, timeout: float, what: str) -> bytes:
         deadline = time.monotonic() + timeout
         try:
@@ -200,8 +216,32 @@ class Bootloader:
     def _ack(self, what: str, timeout: float | None = None) -> None:
         timeout = timeout or self.timeouts.ack
         deadline = time.monotonic() + timeout
+        first: int | None = None
+        if self._fd is not None and self.trace is None:
+            # Hot path (three times per block of a flash job): one poll, one one-byte read.
+            # Anything but a plain ACK goes on to the general loop below.
+            try:
+                if self._poll.poll(timeout * 1000):
+                    got = os.read(self._fd, 1)
+                    if got == _ACK_BYTE:
+                        return
+                    if got:
+                        first = got[0]
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise LinkError(
+                    f"{what} on {self.name}: reading failed: {exc}. "
+                    "Hint: the link dropped; reconnect and rerun with --resume."
+                ) from exc
+        self._ack_slow(what, timeout, deadline, first)
+
+    def _ack_slow(self, what: str, timeout: float, deadline: float, first: int | None) -> None:
         while True:
-            byte = self._recv(1, timeout, what)[0]
+            if first is not None:
+                byte, first = first, None
+            else:
+                byte = self._recv(1, timeout, what)[0]
             if byte == BUSY and time.monotonic() > deadline:
                 raise BootloaderTimeout(
                     f"{what} on {self.name}: still BUSY (0x76) after {timeout:g} s. "
@@ -223,6 +263,10 @@ class Bootloader:
 
     def _command(self, code: int, what: str) -> None:
         self._send(an3155.encode_command(code), what)
+        self._command_ack(code, what)
+
+    def _command_ack(self, code: int, what: str) -> None:
+        """Wait for the ACK of command `code` (sent already); explain a NACK."""
         try:
             self._ack(what)
         except NackError as exc:
@@ -317,16 +361,60 @@ class Bootloader:
         return pid
 
     def read_memory(self, address: int, length: int) -> bytes:
+        # Frames are ready before each ACK arrives: only a write separates an ACK from the next.
+        if not (0 <= address <= 0xFFFFFFFF and 1 <= length <= an3155.MAX_TRANSFER):
+            an3155.encode_address(address)  # raise the encoder's error
+            an3155.encode_length(length)
+        sent = self._send_first(_READ_COMMAND)
+        # The error text and the frames are built while the command's ACK is on its way.
         what = f"READ_MEMORY at 0x{address:08X} ({length} bytes)"
-        self._command(Command.READ_MEMORY, what)
-        self._send(an3155.encode_address(address), what)
+        address_frame = an3155.encode_address(address)
+        length_frame = an3155.encode_length(length)
+        if not sent:
+            self._send(_READ_COMMAND, what)
+        self._command_ack(Command.READ_MEMORY, what)
+        self._send(address_frame, what)
         self._ack_or_explain(what, "the address is outside readable memory")
-        self._send(an3155.encode_length(length), what)
-        self._ack(what)
-        return self._recv(length, self.timeouts.read, what)
+        self._send(length_frame, what)
+        return self._ack_then(length, self.timeouts.read, what)
+
+    def _ack_then(self, n: int, timeout: float, what: str) -> bytes:
+        """ACK, then `n` bytes (Read Memory's data stage). On a tty, one read takes both when
+        the whole reply has arrived; BUSY bytes before the ACK are skipped, NACK raises."""
+        if self._fd is None or self.trace is not None:
+            self._ack(what, timeout)
+            return self._recv(n, timeout, what)
+        deadline = time.monotonic() + timeout
+        try:
+            got = os.read(self._fd, n + 1) if self._poll.poll(timeout * 1000) else b""
+        except BlockingIOError:
+            got = b""
+        except OSError as exc:
+            raise LinkError(
+                f"{what} on {self.name}: reading failed: {exc}. "
+                "Hint: the link dropped; reconnect and rerun with --resume."
+            ) from exc
+        if len(got) == n + 1 and got[0] == ACK:
+            return got[1:]
+        k = 0
+        while k < len(got) and got[k] == BUSY:
+            k += 1
+        if k < len(got):
+            if got[k] != ACK:
+                self._ack_slow(what, timeout, deadline, got[k])  # raises: NACK or garbage
+            data = got[k + 1 :]
+        else:
+            self._ack_slow(what, timeout, deadline, None)
+            data = b""
+        if len(data) < n:
+            data += self._recv(n - len(data), timeout, what)
+        return data
 
     def write_memory(self, address: int, data: bytes) -> None:
         """Write ≤256 bytes at a 4-byte aligned address (padded with 0xFF); retried on NACK."""
+        valid = 1 <= len(data) <= an3155.MAX_TRANSFER and 0 <= address <= 0xFFFFFFFF
+        sent = not address % 4 and valid and self._send_first(_WRITE_COMMAND)
+        # The error text and the frames are built while the command's ACK is on its way.
         what = f"WRITE_MEMORY at 0x{address:08X} ({len(data)} bytes)"
         if address % 4:
             raise ProtocolError(
@@ -334,9 +422,13 @@ class Bootloader:
                 "Hint: the bootloader writes whole words; align the chunk."
             )
         frame = an3155.encode_write_data(data)  # validates the size
+        address_frame = an3155.encode_address(address)
         for attempt in range(self.write_retries + 1):
-            self._command(Command.WRITE_MEMORY, what)
-            self._send(an3155.encode_address(address), what)
+            if not sent:
+                self._send(_WRITE_COMMAND, what)
+            sent = False
+            self._command_ack(Command.WRITE_MEMORY, what)
+            self._send(address_frame, what)
             self._ack_or_explain(what, "the address is not writable")
             self._send(frame, what)
             try:
@@ -428,7 +520,14 @@ def _posix_fd(port: Any) -> int | None:
 
 
 def _write_fd(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+    """All of `data` to a non-blocking fd: one write() in the usual case."""
+    try:
+        n = os.write(fd, data)
+    except BlockingIOError:
+        n = 0
+    if n == len(data):
+        return
+    view = memoryview(data)[n:]
     while view:
         try:
             n = os.write(fd, view)
