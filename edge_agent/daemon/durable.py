@@ -291,6 +291,9 @@ class DaemonJournal:
             job = rec.job
             if req.deadline is not None:
                 job.deadline_at = now + (req.deadline - time.time())
+            # Keep the original submission time, so a deadline message counts from the request's
+            # acceptance (not from this restart) and the job keeps its age in the queue.
+            job.submitted_at = now - max(0.0, time.time() - req.created_at)
             try:
                 d.scheduler.submit(job, now)
             except QueueFull as exc:
