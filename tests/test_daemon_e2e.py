@@ -388,6 +388,11 @@ def test_sigterm_drains_running_request_and_stops_cleanly(
     assert status == 200 and r["choices"][0]["text"] == expected["long"]  # drained, not cut
     assert daemon.proc.wait(30) == 0
     assert not daemon.sock.exists()
+    # The watchdog is still fed while draining (systemd would abort a drain > WatchdogSec).
+    with daemon.changed:
+        after = daemon.messages[next(i for i, m in enumerate(daemon.messages)
+                                     if "STOPPING=1" in m.split("\n")):]
+    assert any("WATCHDOG=1" in m.split("\n") for m in after), after
 
 
 def test_bad_config_exits_78(tmp_path: Path) -> None:

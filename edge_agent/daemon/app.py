@@ -306,7 +306,26 @@ class Daemon:
                                 f"{rec.id}. Hint: read it there once the daemon is back."),
                    kept=True)
 
+    async def _watchdog_while_stopping(self, interval: float) -> None:
+        """The main loop has ended: keep proving the event loop is alive while draining, so
+        systemd's watchdog does not abort a drain that takes longer than WatchdogSec."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
     async def shutdown(self) -> None:
+        wd = watchdog_interval(self.env)
+        pinger = asyncio.ensure_future(self._watchdog_while_stopping(wd)) if wd else None
+        try:
+            await self._shutdown()
+        finally:
+            if pinger is not None:
+                pinger.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pinger
+            self.notifier.close()
+
+    async def _shutdown(self) -> None:
         self.stopping = True
         self.notifier.stopping("draining: finishing running requests")
         self.log("stopping: draining")
@@ -346,7 +365,6 @@ class Daemon:
             if svc.runner is not None:
                 await svc.runner.stop()
         self.memory.close()  # runners are reaped: remove models/*, stop watching
-        self.notifier.close()
         self.journal.close()
         self.log("stopped")
 
