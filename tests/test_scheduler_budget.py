@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from edge_agent.cgroup import load_policy
 from edge_agent.errors import ConfigError, EdgeAgentError
 from edge_agent.scheduler import (
+    RUNNER_BASE_BYTES,
     BudgetExceeded,
     LoadedModel,
     format_bytes,
@@ -49,6 +51,22 @@ def test_budget_rejects_bad_numbers(index: int, value: object, key: str) -> None
     expected = rf"model_budget_bytes: {key}=.*expected an integer.*Hint"
     with pytest.raises(ConfigError, match=expected):
         model_budget_bytes(*args)  # type: ignore[arg-type]
+
+
+def test_runner_overhead_is_in_the_budget_and_in_the_cgroup_limits() -> None:
+    base = model_budget_bytes(13_000_000, 2, 1, 16, 1, 64)
+    with_runner = model_budget_bytes(13_000_000, 2, 1, 16, 1, 64, overhead_bytes=RUNNER_BASE_BYTES)
+    assert with_runner == base + RUNNER_BASE_BYTES == base + (128 << 20)
+    with pytest.raises(ConfigError, match=r"overhead_bytes=-1, expected an integer >= 0.*Hint"):
+        model_budget_bytes(13_000_000, 2, 1, 16, 1, 64, overhead_bytes=-1)
+    # a 13 MB model: its runner needs ~95 MiB (python, numpy, tokenizer) besides the weights,
+    # so the default policy must not throttle it (memory.high) below that
+    limits = load_policy("default").model.limits(with_runner)
+    high, mx = int(limits["memory.high"]), int(limits["memory.max"])
+    assert high >= 1.15 * (13_000_000 + (128 << 20)) - 4096 > 95 * MiB + 13_000_000
+    assert high <= mx
+    without = int(load_policy("default").model.limits(base)["memory.high"])
+    assert without < 20 * MiB  # what the daemon used to write: the runner stuck in loading
 
 
 def lm(name: str, mib: int, last_used: float, busy: bool = False) -> LoadedModel:

@@ -16,7 +16,8 @@ Invariants owned here:
   event while checking it, so `handle_ready()` (the add_reader callback) counts readiness as
   one event. `wait(timeout)` is the blocking form for threads and tests.
 - Failures become PressureError with the cause: EOPNOTSUPP (PSI compiled in but disabled:
-  psi=1 missing), ENOENT (no PSI file), EINVAL (trigger rejected), EACCES/EPERM.
+  psi=1 missing), ENOENT (no PSI file), EINVAL (trigger rejected), EACCES/EPERM (kernel < 6.5
+  without CAP_SYS_RESOURCE, or a root-owned file under systemd < 254: never a Delegate= issue).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.cgroup.fs import FIX_DELEGATE, FIX_PSI, CgroupError, errno_name
+from edge_agent.cgroup.fs import FIX_PSI, CgroupError, errno_name
 from edge_agent.cgroup.values import Trigger
 from edge_agent.errors import ConfigError
 
 __all__ = ["PressureWatcher", "PressureError", "PressureStats", "parse_pressure",
-           "read_pressure", "ENV_WATCH", "ENV_WRITE"]
+           "read_pressure", "permission_hint", "ENV_WATCH", "ENV_WRITE"]
 
 ENV_WATCH = "MEMORY_PRESSURE_WATCH"
 ENV_WRITE = "MEMORY_PRESSURE_WRITE"
@@ -86,6 +87,27 @@ def read_pressure(path: Path) -> PressureStats:
     return parse_pressure(text, str(path))
 
 
+def permission_hint(path: Path, release: str | None = None, uid: int | None = None) -> str:
+    """Why a trigger write is refused with EACCES/EPERM and what fixes it. Delegate=yes is
+    not the cause when the group is delegated: the kernel or systemd version is."""
+    release = os.uname().release if release is None else release
+    uid = os.geteuid() if uid is None else uid
+    try:
+        owner: int | None = os.stat(path).st_uid
+    except OSError:
+        owner = None
+    owned = ("" if owner is None or owner == uid else
+             f"; {path.name} is owned by uid {owner}, not by this process (uid {uid}): "
+             "systemd < 254 leaves it root-owned even with Delegate=yes")
+    return (f"not allowed to create a PSI trigger (kernel {release}){owned}. Before Linux 6.5 "
+            "creating a trigger needs CAP_SYS_RESOURCE; from 6.5 unprivileged triggers are "
+            "allowed when the window is a multiple of 2 s. Fix one of: add "
+            "`AmbientCapabilities=CAP_SYS_RESOURCE` to the unit's [Service]; use systemd >= 254, "
+            "which arms the trigger itself and passes $MEMORY_PRESSURE_WATCH (MemoryPressureWatch"
+            "=auto); or boot a kernel >= 6.5. Without a trigger the daemon polls memory.pressure "
+            "(some avg10) every 2 s instead")
+
+
 def _error(action: str, path: Path, exc: OSError, payload: bytes | None = None) -> PressureError:
     err = exc.errno or 0
     shown = payload.rstrip(b"\0").decode("ascii", "replace") if payload else None
@@ -100,8 +122,7 @@ def _error(action: str, path: Path, exc: OSError, payload: bytes | None = None) 
                 "window of 500000..10000000 us and a stall no longer than the window; without "
                 "CAP_SYS_RESOURCE (kernel >= 6.5) the window must be a multiple of 2 s.")
     elif err in (errno.EACCES, errno.EPERM):
-        hint = ("not allowed to arm a trigger here: unprivileged triggers need a window that is "
-                "a multiple of 2 s (kernel >= 6.5) or CAP_SYS_RESOURCE; " + FIX_DELEGATE + ".")
+        hint = permission_hint(path)
     else:
         hint = "see `edge-agent doctor`."
     code = errno_name(err)

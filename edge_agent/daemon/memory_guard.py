@@ -14,17 +14,25 @@ Invariants owned here:
   removed. `close()` tears the rest down at exit.
 - An OOM kill is counted (/metrics), journaled when the journal is there, logged, and kept per
   model (/health `models.NAME.memory`); the runner's requests are requeued by the service.
+- Other memory.events increases (high, max, oom) are always counted, but logged at most once
+  per `EVENT_LOG_INTERVAL_S` per group and key (by `clock`), with the delta summed since the
+  last line; what is still pending is logged when the runner exits and at `close()`.
 - Every pressure-stage change is logged, counted, journaled and applied at once: stage >= 1
   limits new batches (`batch_limit`), >= 2 refuses new requests (503 + Retry-After,
   `check_admission`) and unloads idle models, 3 fails the lowest-priority running requests with
   the reason (again at most every `escalate_interval_s` while pressure lasts). Releases come from
   a timer at `Stages.next_wakeup`.
+- When the kernel refuses the PSI trigger (EACCES/EPERM: kernel < 6.5 without
+  CAP_SYS_RESOURCE, or a root-owned file), the same PSI file's `some avg10` is polled every
+  `PSI_POLL_S` instead; a reading at or above the trigger's share (stall/window) counts as one
+  pressure event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import sqlite3
 import time
 from collections import defaultdict
@@ -60,6 +68,9 @@ __all__ = ["MemoryGuard", "IO_FACTORY"]
 # How cgroup files are accessed. Tests that run the daemon on a temporary tree replace it.
 IO_FACTORY: Callable[[], CgroupIO] = CgroupIO
 EVENTS_POLL_S = 1.0  # memory.events poll period when inotify is unavailable
+EVENT_LOG_INTERVAL_S = 30.0  # at most one log line per group and key (high/max/oom) this often
+LOGGED_KEYS = ("high", "max", "oom")
+PSI_POLL_S = 2.0  # memory.pressure poll period when no trigger can be created
 
 
 class MemoryGuard:
@@ -74,6 +85,7 @@ class MemoryGuard:
         self.pressure: PressureWatcher | None = None
         self.pressure_error: str | None = None
         self.pressure_file: Path | None = None
+        self.poll_file: Path | None = None  # polled PSI file when no trigger could be armed
         self.oom_kills: dict[str, int] = defaultdict(int)
         self.memory_events: dict[tuple[str, str], int] = defaultdict(int)
         self.transitions: dict[tuple[int, int], int] = defaultdict(int)
@@ -84,6 +96,9 @@ class MemoryGuard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._readers: list[int] = []
+        self.clock: Callable[[], float] = time.monotonic  # for event log rate limiting
+        self._log_last: dict[tuple[str, str], float] = {}
+        self._log_pending: dict[tuple[str, str], tuple[int, int]] = {}  # delta, last total
 
     # -- startup / shutdown --------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -115,6 +130,7 @@ class MemoryGuard:
         self._start_pressure(loop)
 
     def _start_pressure(self, loop: asyncio.AbstractEventLoop) -> None:
+        pw: PressureWatcher | None = None
         try:
             pw = PressureWatcher.from_env(self.d.env, self.pressure_file,
                                           self.policy.pressure.trigger)
@@ -128,12 +144,32 @@ class MemoryGuard:
         except CgroupError as exc:
             self.pressure_error = str(exc)
             self.d.log(f"memory pressure: not watched: {exc}")
+            if pw is not None and pw.kind == "psi" and exc.errno in (errno.EACCES, errno.EPERM):
+                self._start_polling(pw.path)
             return
         self.pressure = pw
         loop.add_reader(pw.fileno(), self._on_pressure)
         self._readers.append(pw.fileno())
         self.d.log(f"memory pressure: watching {pw.path} ({pw.kind}"
                    + (f"; {pw.note}" if pw.note else "") + ")")
+
+    def _start_polling(self, path: Path) -> None:
+        try:
+            read_pressure(path)
+        except CgroupError as exc:
+            self.d.log(f"memory pressure: cannot poll either: {exc}")
+            return
+        self.poll_file = path
+        self.d.log(f"memory pressure: polling {path} (some avg10 >= {self._threshold():g}%) "
+                   f"every {PSI_POLL_S:g} s instead of a trigger")
+        self._later("psi-poll", PSI_POLL_S, self._poll_pressure)
+
+    def _poll_pressure(self) -> None:
+        if self.poll_file is None:
+            return
+        if self._above(self.poll_file):
+            self._pressure_hit()
+        self._later("psi-poll", PSI_POLL_S, self._poll_pressure)
 
     def close(self) -> None:
         """At exit, after every runner is reaped: remove our groups and stop watching."""
@@ -146,6 +182,7 @@ class MemoryGuard:
         self._readers.clear()
         if self.events is not None:
             self._record(self._safe_poll())
+            self._flush_event_log()
             self.events.close()
             self.events = None
         if self.pressure is not None:
@@ -183,6 +220,7 @@ class MemoryGuard:
         """The runner of `name` is reaped: attribute an OOM kill, then remove its group.
         Returns the OOM reason ('OOM-killed by the kernel ...') or None."""
         self._record(self._safe_poll())
+        self._flush_event_log(name)
         oom = self._oom_pending.pop(name, None)
         if self.events is not None:
             self.events.unwatch(name)
@@ -231,8 +269,31 @@ class MemoryGuard:
                     self._oom_pending[ev.group] = ev
                 self.d.log(f"memory: {ev.describe()}: the kernel killed the runner of model "
                            f"{ev.group} (its memory.max was reached)")
-            elif ev.key in ("high", "max"):
-                self.d.log(f"memory: {ev.describe()}")
+            elif ev.key in LOGGED_KEYS:
+                self._log_event(ev)
+
+    def _log_event(self, ev: MemoryEvent) -> None:
+        """Log high/max/oom increases at most every EVENT_LOG_INTERVAL_S per group and key
+        (a throttled runner raises `high` thousands of times), with the summed delta."""
+        k = (ev.group, ev.key)
+        delta = self._log_pending.pop(k, (0, 0))[0] + ev.delta
+        now = self.clock()
+        last = self._log_last.get(k)
+        if last is not None and now - last < EVENT_LOG_INTERVAL_S:
+            self._log_pending[k] = (delta, ev.total)
+            return
+        self._log_last[k] = now
+        since = "" if last is None else f" in the last {now - last:.0f} s"
+        self.d.log(f"memory: {ev.group}: {ev.key} +{delta}{since} (total {ev.total}); "
+                   f"logged at most every {EVENT_LOG_INTERVAL_S:g} s per model and event")
+
+    def _flush_event_log(self, group: str | None = None) -> None:
+        """Log the increases still held back (all groups, or only `group`)."""
+        for k in [k for k in self._log_pending if group is None or k[0] == group]:
+            delta, total = self._log_pending.pop(k)
+            self.d.log(f"memory: {k[0]}: {k[1]} +{delta} (total {total}) since the last line")
+        for k in [k for k in self._log_last if group is None or k[0] == group]:
+            del self._log_last[k]
 
     # -- pressure ------------------------------------------------------------------------------
     def _on_pressure(self) -> None:
@@ -254,8 +315,10 @@ class MemoryGuard:
             pw.close()
             self.pressure = None
             return
-        if not hit:
-            return
+        if hit:
+            self._pressure_hit()
+
+    def _pressure_hit(self) -> None:
         now = time.monotonic()
         t = self.stages.on_pressure(now)
         if t is not None:
@@ -263,17 +326,25 @@ class MemoryGuard:
         self._act(now, escalated=t is not None)
         self._schedule_release(now)
 
-    def _still_high(self) -> bool:
-        """A PSI reading above the trigger's share (stall/window) says pressure is not over."""
+    def _threshold(self) -> float:
+        """The trigger's share of stalled time, in percent (avg10's unit)."""
         trig = self.policy.pressure.trigger
-        if self.pressure_file is None:
+        return 100.0 * trig.stall_us / trig.window_us
+
+    def _above(self, path: Path | None) -> bool:
+        """A PSI reading at or above the trigger's share (stall/window)."""
+        if path is None:
             return False
         try:
-            stats = read_pressure(self.pressure_file)
+            stats = read_pressure(path)
         except CgroupError:
             return False
-        avg = stats.some_avg10 if trig.kind == "some" else (stats.full_avg10 or 0.0)
-        return avg >= 100.0 * trig.stall_us / trig.window_us
+        some = self.policy.pressure.trigger.kind == "some"
+        return (stats.some_avg10 if some else (stats.full_avg10 or 0.0)) >= self._threshold()
+
+    def _still_high(self) -> bool:
+        """A PSI reading above the trigger's share says pressure is not over."""
+        return self._above(self.poll_file or self.pressure_file)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -379,7 +450,9 @@ class MemoryGuard:
     def pressure_dict(self) -> dict[str, Any]:
         pw = self.pressure
         out: dict[str, Any] = dict(self.stages.to_dict())
-        out.update(source=str(pw.path) if pw else None, kind=pw.kind if pw else None,
+        poll = str(self.poll_file) if self.poll_file else None
+        out.update(source=str(pw.path) if pw else poll,
+                   kind=pw.kind if pw else ("poll" if poll else None),
                    trigger=str(self.policy.pressure.trigger), error=self.pressure_error,
                    retry_after_s=self.stages.actions.retry_after_s,
                    batch_limits={n: self.batch_limit(s.max_batch)

@@ -28,6 +28,7 @@ from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
 from edge_agent.errors import EdgeAgentError
 from edge_agent.scheduler import (
+    RUNNER_BASE_BYTES,
     BudgetExceeded,
     JobState,
     LoadedModel,
@@ -93,9 +94,11 @@ class ModelService:
             cfg = ModelConfig.from_metadata(meta, source=str(self.path()))
             self.context = min(self.context, cfg.context_length)
             dtype = self.daemon.config.runtime.dtype
+            # the runner process itself counts too: planning and the cgroup's memory.high /
+            # memory.max (policy factors of this budget) must leave it room to even load
             self.budget_bytes = model_budget_bytes(
                 prepared_size(g, dtype), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                self.max_batch, self.context,
+                self.max_batch, self.context, overhead_bytes=RUNNER_BASE_BYTES,
             )
             # warm start: the tokenizer from the journal's cache when this file is known there
             t0 = time.perf_counter()

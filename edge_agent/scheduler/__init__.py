@@ -9,6 +9,7 @@ the invariants it owns at its top.
 from __future__ import annotations
 
 from edge_agent.scheduler.budget import (
+    RUNNER_BASE_BYTES,
     LoadedModel,
     format_bytes,
     model_budget_bytes,
@@ -39,6 +40,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
+    "RUNNER_BASE_BYTES",
     "TERMINAL_STATES",
     "BudgetExceeded",
     "InvalidTransition",
