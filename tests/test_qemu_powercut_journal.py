@@ -24,9 +24,10 @@ from qemu.tiny_model import write_tiny_llama
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]
 
-# CI cuts once per mode (bench/qemu_powercut.py runs 20+). The moment of the cut is random; the
-# seed is printed with every result and EDGE_AGENT_QEMU_CUT_SEED replays a run's delays.
-CUTS = int(os.environ.get("EDGE_AGENT_QEMU_CUTS", "1"))
+# CI cuts three times and runs the control once (bench/qemu_powercut.py runs 20+). The moment of
+# the cut is random; the seed is printed with every result and EDGE_AGENT_QEMU_CUT_SEED
+# replays a run's delays.
+CUTS = int(os.environ.get("EDGE_AGENT_QEMU_CUTS", "3"))
 SEED = int(os.environ.get("EDGE_AGENT_QEMU_CUT_SEED") or random.SystemRandom().randrange(10**6))
 
 
