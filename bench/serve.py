@@ -13,7 +13,6 @@ the daemon is idle). Targets: ratio >= 0.90; aggregate at 8 >= 5x aggregate at 1
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edge_agent.client import UnixHTTPConnection
+
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["a lighthouse keeper", "a lost robot", "a desert town", "an old violin",
           "a mountain train", "a clockmaker", "a red kite", "a sunken ship", "a night market",
@@ -35,22 +36,12 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a desert town", "an old violin
           "a river pilot", "a copper key", "a winter festival"]
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=600)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.unix_path)
-
-
 def prompts(n: int) -> list[str]:
     return [f"Once upon a time, {TOPICS[i % len(TOPICS)]}" for i in range(n)]
 
 
 def one_client(sock: str, prompt: str, tokens: int, out: dict[str, float], start: float) -> None:
-    conn = UnixHTTPConnection(sock)
+    conn = UnixHTTPConnection(sock, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0,
                        "stream": True})
     conn.request("POST", "/v1/completions", body=body,
@@ -67,7 +58,7 @@ def one_client(sock: str, prompt: str, tokens: int, out: dict[str, float], start
         rid = chunk.get("id", rid)
     out["latency"] = time.perf_counter() - start
     conn.close()
-    conn = UnixHTTPConnection(sock)
+    conn = UnixHTTPConnection(sock, timeout=600)
     conn.request("GET", f"/v1/requests/{rid}")
     out["tokens"] = json.loads(conn.getresponse().read())["completion_tokens"]
     conn.close()

@@ -22,7 +22,6 @@ per token (p50 / p95), wire bytes per token and what the wire could carry in tok
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -41,19 +40,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from edge_agent.client import UnixHTTPConnection  # noqa: E402
 from edge_agent.protocol import frames as fr  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea,"
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=600)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.unix_path)
 
 
 class Wire:
@@ -83,7 +73,7 @@ class Wire:
 
 
 def socket_run(sock: str, tokens: int) -> dict[str, Any]:
-    conn = UnixHTTPConnection(sock)
+    conn = UnixHTTPConnection(sock, timeout=600)
     body = json.dumps({"prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
                        "stream": True})
     t0 = time.monotonic()
@@ -109,7 +99,7 @@ class Follower(threading.Thread):
         self.attached = 0.0
 
     def run(self) -> None:
-        conn = UnixHTTPConnection(self.sock)
+        conn = UnixHTTPConnection(self.sock, timeout=600)
         conn.request("GET", f"/v1/requests/{self.rid}/events?from=0")
         resp = conn.getresponse()
         self.attached = time.monotonic()

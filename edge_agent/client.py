@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from edge_agent.errors import EdgeAgentError
 
-__all__ = ["DaemonClient", "DaemonError", "DaemonUnavailable"]
+__all__ = ["DaemonClient", "DaemonError", "DaemonUnavailable", "UnixHTTPConnection"]
 
 
 class DaemonError(EdgeAgentError):
@@ -41,8 +41,10 @@ class DaemonUnavailable(DaemonError, ConnectionError):
     """Nothing is listening on the socket (absent, refused, or no permission)."""
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None) -> None:
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over an AF_UNIX stream socket (the daemon's API socket)."""
+
+    def __init__(self, path: str, timeout: float | None = 60.0) -> None:
         super().__init__("localhost", timeout=timeout)
         self._unix_path = path
 
@@ -67,8 +69,8 @@ class DaemonClient:
     # ----- transport ---------------------------------------------------------------------------
 
     def _open(self, method: str, path: str, body: Mapping[str, Any] | None
-              ) -> tuple[_UnixHTTPConnection, http.client.HTTPResponse]:
-        conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+              ) -> tuple[UnixHTTPConnection, http.client.HTTPResponse]:
+        conn = UnixHTTPConnection(self.socket_path, self.timeout)
         headers = {"Accept": "application/json"}
         payload = None
         if body is not None:

@@ -7,7 +7,6 @@ owns, block until READY=1 (no sleeps), drive the API over the Unix socket, SIGTE
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from edge_agent.client import UnixHTTPConnection
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,17 +35,6 @@ CONTEXT = 512
 MAX_BODY = 64 * 1024
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 60.0) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
 
 
 class Daemon:

@@ -7,7 +7,6 @@ the simulator keeps its flash in a file, so the test can read back what the daem
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import shutil
@@ -24,20 +23,11 @@ from typing import Any
 import firmware
 import pytest
 
+from edge_agent.client import UnixHTTPConnection
+
 pytestmark = [pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Conn(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
 
 
 class FlashDaemon:
@@ -48,7 +38,7 @@ class FlashDaemon:
         self.other = f"stm32sim://?chip=f405&state={root / 'other.bin'}"
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        conn = Conn(str(self.sock))
+        conn = UnixHTTPConnection(str(self.sock))
         try:
             data = None if body is None else json.dumps(body).encode()
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})

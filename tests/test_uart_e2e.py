@@ -8,7 +8,6 @@ API at temperature 0 (the same scheduler and runner serve both).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import select
@@ -27,23 +26,13 @@ from typing import Any
 import pytest
 import serial
 
+from edge_agent.client import UnixHTTPConnection
 from edge_agent.protocol import frames as fr
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
 
 
 class Pty:
