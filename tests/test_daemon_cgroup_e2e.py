@@ -14,12 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
-import socket
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +25,7 @@ from typing import Any
 
 import pytest
 from cgroup_fake import Tree, make_tree
-from test_daemon_e2e import Daemon
+from test_daemon_e2e import Daemon, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -113,29 +109,11 @@ def daemon(prepared_state_dir: Path) -> Iterator[CgDaemon]:
         f'[cgroup]\npolicy = "{root / "policy.toml"}"\nproc_root = "{tree.proc}"\n'
         f"[models.smollm2]\ncontext = 512\nmax_batch = {MAX_BATCH}\npreload = true\n"
     )
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1",
-               MEMORY_PRESSURE_WATCH=str(fifo))
-    log = root / "daemon.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "cgroup_daemon.py"), str(tree.mount), OWN,
-             "--", "serve", "--config", str(cfg)], cwd=REPO, env=env, stdout=fh, stderr=fh)
-    d = CgDaemon(root, proc, notify, log)
-    d.tree, d.fifo, d.journal = tree, fifo, root / "journal.sqlite3"
-    try:
-        d.wait_notify("READY=1", 180)
+    argv = [str(REPO / "tests" / "cgroup_daemon.py"), str(tree.mount), OWN, "--", "serve",
+            "--config", str(cfg)]
+    with launch(CgDaemon, root, argv, MEMORY_PRESSURE_WATCH=str(fifo)) as d:
+        d.tree, d.fifo, d.journal = tree, fifo, root / "journal.sqlite3"
         yield d
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        notify.shutdown(socket.SHUT_RDWR)
-        notify.close()
-        d.reader.join(5)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def pages(x: float) -> int:

@@ -7,6 +7,7 @@ owns, block until READY=1 (no sleeps), drive the API over the Unix socket, SIGTE
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -107,6 +108,9 @@ class Daemon:
             time.sleep(0.05)
 
 
+D = TypeVar("D", bound=Daemon)
+
+
 def sse_events(data: bytes) -> list[str]:
     return [line[len("data: "):] for line in data.decode().split("\n")
             if line.startswith("data: ")]
@@ -143,16 +147,24 @@ def daemon(prepared_state_dir: Path) -> Iterator[Daemon]:
         f"[runtime]\nmlock = \"best-effort\"\nthreads = 1\n"
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\npreload = true\n"
     )
+    with launch(Daemon, root, ["-m", "edge_agent", "serve", "--config", str(cfg)],
+                WATCHDOG_USEC="1000000") as d:
+        yield d
+
+
+@contextlib.contextmanager
+def launch(cls: type[D], root: Path, argv: list[str], **env_extra: str) -> Iterator[D]:
+    """Run `python ARGV` with a NOTIFY_SOCKET this test owns, wait for READY=1, and always
+    kill it, close the socket and remove `root` afterwards."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(root / "notify.sock"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1",
-               WATCHDOG_USEC="1000000")
+    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1", **env_extra)
     log = root / "daemon.log"
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                                 str(cfg)], cwd=REPO, env=env, stdout=fh, stderr=fh)
-    d = Daemon(root, proc, notify, log)
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=fh,
+                                stderr=fh)
+    d = cls(root, proc, notify, log)
     try:
         d.wait_notify("READY=1", 180)
         yield d
