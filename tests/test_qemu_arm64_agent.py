@@ -21,12 +21,17 @@ from typing import Any
 
 import pytest
 import serial
-from qemu.build_arm64_guest import GuestImage, arm64_image
+from qemu.build_arm64_guest import GuestImage
 from qemu.disks import make_ext4
-from qemu.errors import PackagesUnavailable
 from qemu.guest import Arm64Guest
+from qemu.skips import arm64_image_or_skip
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def arm64() -> GuestImage:
+    return arm64_image_or_skip("arm64 agent QEMU test")
 
 PROMPT = "The capital of France is"
 UART_PROMPT = "Once upon a time"
@@ -88,19 +93,6 @@ os.kill(pid, signal.SIGTERM)  # the shell waits for it and reports its exit stat
 """.replace("PROMPT", repr(PROMPT))
 
 
-def _require(tool: str, package: str) -> None:
-    if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
-        pytest.skip(f"!!! {tool} is not installed: arm64 agent QEMU test NOT RUN. Install the "
-                    f"Debian package {package} (make deps-debian) !!!")
-
-
-@pytest.fixture(scope="module")
-def arm64() -> GuestImage:
-    _require("qemu-system-aarch64", "qemu-system-arm")
-    try:
-        return arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, arm64 agent test NOT RUN: {exc} !!!")
 
 
 def _host_generate(model: Path, state: Path, prompt: str, n: int) -> str:

@@ -15,14 +15,18 @@ minutes). What the guest proves, on the kernel's own files:
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from qemu.build_arm64_guest import GuestImage, arm64_image
-from qemu.errors import PackagesUnavailable
+from qemu.build_arm64_guest import GuestImage
 from qemu.guest import run_arm64
+from qemu.skips import arm64_image_or_skip
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def arm64() -> GuestImage:
+    return arm64_image_or_skip("real-kernel cgroup tests")
 
 POLICY = """\
 [model]
@@ -160,16 +164,6 @@ asyncio.run(main())
 print("RESULT " + json.dumps(out), flush=True)
 """
 
-
-@pytest.fixture(scope="module")
-def arm64() -> GuestImage:
-    if not shutil.which("qemu-system-aarch64"):
-        pytest.skip("!!! qemu-system-aarch64 is not installed: real-kernel cgroup tests NOT RUN. "
-                    "Install the Debian package qemu-system-arm (make deps-debian) !!!")
-    try:
-        return arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, real-kernel cgroup tests NOT RUN: {exc} !!!")
 
 
 @pytest.fixture(scope="module")

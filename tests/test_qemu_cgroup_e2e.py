@@ -12,14 +12,13 @@ the model again, and the request completes with every token it was asked for.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from qemu.build_arm64_guest import GuestImage, arm64_image
-from qemu.errors import PackagesUnavailable
+from qemu.build_arm64_guest import GuestImage
 from qemu.guest import run_arm64
+from qemu.skips import arm64_image_or_skip
 from qemu.tiny_model import write_tiny_llama
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(600)]
@@ -121,13 +120,7 @@ print("RESULT " + json.dumps(out), flush=True)
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not shutil.which("qemu-system-aarch64"):
-        pytest.skip("!!! qemu-system-aarch64 is not installed: runner OOM test NOT RUN. Install "
-                    "the Debian package qemu-system-arm (make deps-debian) !!!")
-    try:
-        image: GuestImage = arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, runner OOM test NOT RUN: {exc} !!!")
+    image: GuestImage = arm64_image_or_skip("runner OOM test")
     tiny = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
     files = {"/ea/drive.py": DRIVER.encode(), "/ea/hog.py": HOG.encode(),
              "/ea/policy.toml": POLICY.encode(), "/ea/tiny.gguf": Path(tiny).read_bytes()}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import threading
 import time
 import tty
@@ -20,28 +19,20 @@ from pathlib import Path
 
 import firmware
 import pytest
-from qemu.build_arm64_guest import GuestImage, arm64_image
-from qemu.errors import PackagesUnavailable
+from qemu.build_arm64_guest import GuestImage
 from qemu.guest import Arm64Guest
+from qemu.skips import arm64_image_or_skip
 
 from firmware_tools.simulator import Stm32Simulator, simulator_from_query
 
 pytestmark = [pytest.mark.qemu, pytest.mark.tools, pytest.mark.timeout(300)]
 
 
-def _require(tool: str, package: str) -> None:
-    if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
-        pytest.skip(f"!!! {tool} is not installed: QEMU flash test NOT RUN. Install the Debian "
-                    f"package {package} (make deps-debian) !!!")
-
-
 @pytest.fixture(scope="module")
 def arm64() -> GuestImage:
-    _require("qemu-system-aarch64", "qemu-system-arm")
-    try:
-        return arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, QEMU flash test NOT RUN: {exc} !!!")
+    return arm64_image_or_skip("QEMU flash test")
+
+
 
 
 class Pump:

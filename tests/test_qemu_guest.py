@@ -12,37 +12,29 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import serial
-from qemu.build_arm64_guest import GuestImage, arm64_image
-from qemu.build_systemd_guest import SystemdImage, systemd_image
+from qemu.build_arm64_guest import GuestImage
+from qemu.build_systemd_guest import SystemdImage
 from qemu.disks import make_ext4, read_file
-from qemu.errors import GuestTimeout, HarnessError, PackagesUnavailable
+from qemu.errors import GuestTimeout, HarnessError
 from qemu.guest import Arm64Guest, run_arm64
 from qemu.nbd import NbdDisk, power_cut
 from qemu.powercut import RECORD, check_records, run_cut
+from qemu.skips import arm64_image_or_skip, require_tool, systemd_image_or_skip
 from qemu.systemd_guest import SystemdGuest
 
 pytestmark = pytest.mark.qemu
 
 
-def _require(tool: str, package: str) -> None:
-    if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
-        pytest.skip(f"!!! {tool} is not installed: QEMU guest test NOT RUN. Install the Debian "
-                    f"package {package} (make deps-debian) !!!")
-
-
 @pytest.fixture(scope="session")
 def arm64() -> GuestImage:
-    _require("qemu-system-aarch64", "qemu-system-arm")
-    try:
-        return arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, QEMU tests NOT RUN: {exc} !!!")
+    return arm64_image_or_skip("QEMU guest tests")
+
+
 
 
 PROBE = r"""
@@ -171,7 +163,7 @@ sleep 600
 @pytest.mark.parametrize("mode, survives", [("writeback", True), ("discard-flush", False)])
 def test_power_cut_keeps_only_flushed_writes(arm64: GuestImage, tmp_path: Path, mode: str,
                                              survives: bool) -> None:
-    _require("nbdkit", "nbdkit")
+    require_tool("nbdkit", "nbdkit", "QEMU power-cut test")
     image = make_ext4(tmp_path / "disk.img", 64)
     with NbdDisk(image, mode) as disk, Arm64Guest(FSYNC_THEN_WAIT, disks=[disk.qemu_file],
                                                    image=arm64, with_source=False) as guest:
@@ -190,7 +182,7 @@ def test_power_cut_keeps_only_flushed_writes(arm64: GuestImage, tmp_path: Path, 
 
 @pytest.mark.parametrize("mode", ["writeback", "discard-flush"])
 def test_power_cut_during_fsync_loop(arm64: GuestImage, mode: str) -> None:
-    _require("nbdkit", "nbdkit")
+    require_tool("nbdkit", "nbdkit", "QEMU power-cut test")
     cut = run_cut(arm64, mode, delay=1.5)
     assert cut.acked >= 3, cut  # the workload ran long enough to mean something
     if mode == "writeback":
@@ -274,12 +266,7 @@ echo "after stop: $(systemctl is-active ea-notify-test.service)"
 
 @pytest.fixture(scope="session")
 def systemd_guest_image() -> SystemdImage:
-    _require("qemu-system-x86_64", "qemu-system-x86")
-    _require("mmdebstrap", "mmdebstrap")
-    try:
-        return systemd_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! systemd guest NOT BUILT, systemd QEMU test NOT RUN: {exc} !!!")
+    return systemd_image_or_skip("systemd QEMU test")
 
 
 def test_systemd_guest_runs_a_type_notify_service(systemd_guest_image: SystemdImage) -> None:

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
-from qemu.build_arm64_guest import GuestImage, arm64_image
-from qemu.errors import PackagesUnavailable
+from qemu.build_arm64_guest import GuestImage
 from qemu.journal_cut import MAX_TOKENS, run_journal_cut
+from qemu.skips import arm64_image_or_skip
 from qemu.tiny_model import write_tiny_llama
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def arm64() -> GuestImage:
+    return arm64_image_or_skip("journal power-cut tests", ("nbdkit", "nbdkit"))
 
 # CI cuts three times and runs the control once (bench/qemu_powercut.py runs 20+). The moment of
 # the cut is random; the seed is printed with every result and EDGE_AGENT_QEMU_CUT_SEED
@@ -31,20 +35,6 @@ CUTS = int(os.environ.get("EDGE_AGENT_QEMU_CUTS", "3"))
 SEED = int(os.environ.get("EDGE_AGENT_QEMU_CUT_SEED") or random.SystemRandom().randrange(10**6))
 
 
-def _require(tool: str, package: str) -> None:
-    if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
-        pytest.skip(f"!!! {tool} is not installed: journal power-cut test NOT RUN. Install the "
-                    f"Debian package {package} (make deps-debian) !!!")
-
-
-@pytest.fixture(scope="module")
-def arm64() -> GuestImage:
-    _require("qemu-system-aarch64", "qemu-system-arm")
-    _require("nbdkit", "nbdkit")
-    try:
-        return arm64_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! arm64 guest NOT BUILT, journal power-cut tests NOT RUN: {exc} !!!")
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from qemu.build_systemd_guest import SystemdImage, systemd_image
-from qemu.errors import PackagesUnavailable
+from qemu.build_systemd_guest import SystemdImage
+from qemu.skips import systemd_image_or_skip
 from qemu.systemd_guest import SystemdGuest
 from qemu.tiny_model import write_tiny_llama
 
@@ -76,20 +75,10 @@ WatchdogSec=10
 SCRIPT = Path(__file__).parent / "qemu" / "guest_systemd_agent.py"
 
 
-def _require(tool: str, package: str) -> None:
-    if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
-        pytest.skip(f"!!! {tool} is not installed: systemd QEMU test NOT RUN. Install the "
-                    f"Debian package {package} (make deps-debian) !!!")
-
 
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    _require("qemu-system-x86_64", "qemu-system-x86")
-    _require("mmdebstrap", "mmdebstrap")
-    try:
-        image: SystemdImage = systemd_image()
-    except PackagesUnavailable as exc:
-        pytest.skip(f"!!! systemd guest NOT BUILT, systemd QEMU tests NOT RUN: {exc} !!!")
+    image: SystemdImage = systemd_image_or_skip("systemd QEMU tests")
     tiny = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny.gguf")
     files = {"drive.py": SCRIPT.read_bytes(), "config.toml": CONFIG,
              "tiny.gguf": tiny.read_bytes(), "watchdog.conf": WATCHDOG_DROPIN,
