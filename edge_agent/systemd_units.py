@@ -4,8 +4,9 @@ Invariants owned here:
 - One source of truth: `render_units()` produces every file; `systemd/` in the source tree is
   its output for the packaged layout (/usr/bin/edge-agent), and a test keeps the two identical.
 - Exit status 78 (bad configuration) never restarts the service (RestartPreventExitStatus=78).
-- The service runs as the dedicated user, with dialout for the UART and only CAP_IPC_LOCK
-  (bounding and ambient) so it can mlock weights without root.
+- The service runs as the dedicated user, with dialout for the UART and only CAP_IPC_LOCK (so
+  it can mlock weights without root) and CAP_SYS_RESOURCE (so Linux < 6.5 lets it arm PSI
+  triggers; the daemon drops it after arming), bounding and ambient.
 - ProtectControlGroups= stays off: Delegate=yes hands the daemon a cgroup subtree to write.
 - RuntimeDirectoryPreserve=yes: the socket unit's listening socket lives in /run/edge-agent and
   must survive a service restart.
@@ -85,8 +86,13 @@ ConfigurationDirectory=edge-agent
 UMask=0007
 # Hardening. No ProtectControlGroups= (the delegated subtree is written) and no PrivateDevices=
 # (the UART is a device).
-CapabilityBoundingSet=CAP_IPC_LOCK
-AmbientCapabilities=CAP_IPC_LOCK
+# CAP_IPC_LOCK: mlock the model weights without root.
+# CAP_SYS_RESOURCE: Linux < 6.5 lets a process open memory.pressure for writing (arm a PSI
+# trigger) only with it. The daemon drops it right after arming (armed triggers keep working),
+# so runners never get it. Remove it on kernels >= 6.5 (unprivileged triggers, 2 s windows) or
+# with systemd >= 254 (MemoryPressureWatch= arms it). Without it, Linux < 6.5 means polling.
+CapabilityBoundingSet=CAP_IPC_LOCK CAP_SYS_RESOURCE
+AmbientCapabilities=CAP_IPC_LOCK CAP_SYS_RESOURCE
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome={protect_home}

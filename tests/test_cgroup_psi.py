@@ -1,5 +1,6 @@
 """PSI: systemd's memory pressure protocol over a real FIFO and a real AF_UNIX socket, the
-epoll wrapper under asyncio, and triggers on this machine's real /proc/pressure/memory."""
+epoll wrapper under asyncio, triggers on this machine's real /proc/pressure/memory, why the
+kernel refuses one (a child without CAP_SYS_RESOURCE), and dropping an ambient capability."""
 
 from __future__ import annotations
 
@@ -8,18 +9,26 @@ import base64
 import errno
 import os
 import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from edge_agent.cgroup.caps import CAP_SYS_RESOURCE, cap_sets, drop_ambient, holds
 from edge_agent.cgroup.psi import (
     PressureError,
     PressureWatcher,
     _error,
+    has_cap_sys_resource,
     parse_pressure,
+    permission_hint,
     read_pressure,
+    unprivileged_triggers,
+    window_hint,
 )
 from edge_agent.cgroup.values import Trigger
 from edge_agent.errors import ConfigError
@@ -210,3 +219,113 @@ def test_real_kernel_one_second_window_is_widened_when_unprivileged() -> None:
         assert w.wait(0.05) is False
     finally:
         w.close()
+
+
+# ----- why a trigger is refused: kernel release, capability, window ----------------------------
+
+
+def test_kernel_and_window_rules() -> None:
+    assert not unprivileged_triggers("6.1.0-28-arm64") and not unprivileged_triggers("5.15.0")
+    assert unprivileged_triggers("6.5.0") and unprivileged_triggers("6.18.44-fc")
+    assert unprivileged_triggers("7.0") and not unprivileged_triggers("unknown")
+    msg = window_hint("6.8.0", False, 1_000_000)
+    assert msg is not None
+    for needle in ("lacks CAP_SYS_RESOURCE", "Linux 6.8.0 (>= 6.5)", "1000000 us is not",
+                   "Fix: use a window of 2000000, 4000000", "AmbientCapabilities="):
+        assert needle in msg, needle
+    assert window_hint("6.8.0", True, 1_000_000) is None  # the capability lifts the rule
+    assert window_hint("6.1.0", False, 1_000_000) is None  # before 6.5: no unprivileged rule
+    assert window_hint("6.8.0", False, 4_000_000) is None
+    assert window_hint("6.8.0", False, 100) is None  # out of range for everyone
+    assert has_cap_sys_resource("CapEff:\t0000000001000000\n")
+    assert not has_cap_sys_resource("CapEff:\t000001fffeffffff\n") and not has_cap_sys_resource("")
+
+
+def test_permission_hint_names_what_applies(tmp_path: Path) -> None:
+    f = tmp_path / "memory.pressure"
+    f.write_text("")
+    owner = f.stat().st_uid
+    old = permission_hint(f, release="6.1.0-28-arm64", uid=owner + 1, has_cap=False)
+    assert "kernel 6.1.0-28-arm64; this process lacks CAP_SYS_RESOURCE" in old
+    assert f"owned by uid {owner}, not by this process (uid {owner + 1})" in old
+    assert "Linux 6.1.0-28-arm64 (< 6.5) opens a pressure file for writing only with" in old
+    assert "CapabilityBoundingSet= and AmbientCapabilities=" in old
+    new = permission_hint(f, release="6.8.0", uid=owner, has_cap=False, window_us=1_000_000)
+    assert "owned by" not in new and "(< 6.5)" not in new and "1000000 us is not" in new
+    held = permission_hint(f, release="6.1.0", uid=owner, has_cap=True)
+    assert "this process holds CAP_SYS_RESOURCE): no known rule explains it" in held
+
+
+_CHILD = """
+import errno, os, sys
+from pathlib import Path
+from edge_agent.cgroup.psi import _error
+path = Path("/proc/pressure/memory")
+payload = b"some 150000 1000000\\0"
+try:
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(fd, payload)
+    finally:
+        os.close(fd)
+except OSError as exc:
+    print(str(_error("write trigger to", path, exc, payload)))
+else:
+    print("ARMED")
+"""
+
+
+def test_real_kernel_refuses_a_1_s_window_without_cap_sys_resource_and_says_why() -> None:
+    """The kernel's own answer to a process without CAP_SYS_RESOURCE: EINVAL for a 1 s window
+    on Linux >= 6.5, EPERM when opening the file for writing before 6.5."""
+    if not PSI.exists():
+        pytest.skip(f"SKIPPED LOUDLY: {PSI} does not exist: kernel without PSI")
+    cmd = [sys.executable, "-c", _CHILD]
+    if has_cap_sys_resource():
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("SKIPPED LOUDLY: this process holds CAP_SYS_RESOURCE and `setpriv` "
+                        "(util-linux) is missing to drop it for the child")
+        cmd = [setpriv, "--bounding-set=-sys_resource", "--inh-caps=-sys_resource", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    release = os.uname().release
+    if unprivileged_triggers(release):
+        assert "<- 'some 150000 1000000': Invalid argument (EINVAL). Hint: this process " \
+            "lacks CAP_SYS_RESOURCE" in out, out
+        assert "1000000 us is not" in out and "multiple of 2 s" in out, out
+    else:
+        assert "(EPERM). Hint: not allowed to create a PSI trigger" in out, out
+        assert "(< 6.5) opens a pressure file for writing only with CAP_SYS_RESOURCE" in out, out
+
+
+def test_cap_sets_and_drop_ambient() -> None:
+    sets = cap_sets("CapInh:\t0000000000004000\nCapAmb:\t0000000001004000\nCapEff:\tff\n")
+    assert sets["CapAmb"] == 0x1004000 and sets["CapEff"] == 0xFF and sets["CapBnd"] == 0
+    assert holds(24, "CapAmb:\t0000000001000000\n", "CapAmb")
+    if not holds(CAP_SYS_RESOURCE, which="CapAmb"):
+        assert drop_ambient(CAP_SYS_RESOURCE) is False  # not granted by a unit: kept as is
+
+
+_DROP = """
+from edge_agent.cgroup.caps import cap_sets, drop_ambient
+before = cap_sets()
+dropped = drop_ambient(14)
+after = cap_sets()
+print(dropped, before["CapAmb"] >> 14 & 1, after["CapAmb"] >> 14 & 1, after["CapEff"] >> 14 & 1,
+      after["CapPrm"] >> 14 & 1, after["CapEff"] >> 21 & 1)
+"""
+
+
+def test_drop_ambient_really_drops_an_ambient_capability() -> None:
+    """capset(2) on a child given CAP_IPC_LOCK ambiently (as AmbientCapabilities= does): it
+    leaves the effective, permitted and ambient sets; other capabilities stay."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0 or not holds(21):  # CAP_SYS_ADMIN: a full root
+        pytest.skip("SKIPPED LOUDLY: needs root and `setpriv` (util-linux) to hand a child an "
+                    "ambient capability")
+    r = subprocess.run([setpriv, "--inh-caps=+ipc_lock", "--ambient-caps=+ipc_lock",
+                        sys.executable, "-c", _DROP], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "1", "0", "0", "0", "1"], r.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import resource
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from cgroup_fake import make_tree
 
 from edge_agent.cgroup.fs import detect
+from edge_agent.cgroup.values import Trigger
 from edge_agent.cli import main
 from edge_agent.commands.doctor import (
     FAIL,
@@ -19,11 +21,13 @@ from edge_agent.commands.doctor import (
     check_cgroup,
     check_memlock,
     check_psi,
+    check_psi_trigger,
     check_serial,
     check_swap,
     check_systemd,
     parse_systemd_version,
 )
+from edge_agent.commands.doctor_psi import TriggerAttempt, try_trigger
 
 INF = resource.RLIM_INFINITY
 
@@ -96,7 +100,8 @@ def test_doctor_on_this_host(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["doctor", "--json"])
     doc = json.loads(capsys.readouterr().out)
     checks = [f["check"] for f in doc["findings"]]
-    for name in ("cgroup v2 mounted", "PSI (pressure stall information)", "memory locking",
+    for name in ("cgroup v2 mounted", "PSI (pressure stall information)", "PSI trigger",
+                 "memory locking",
                  "swap", "systemd", "serial ports"):
         assert name in checks
     failed = [f for f in doc["findings"] if f["status"] == FAIL]
@@ -116,3 +121,45 @@ def test_doctor_on_a_good_tree(tmp_path: Path, capsys: pytest.CaptureFixture[str
     by = {f["check"]: f for f in doc["findings"]}
     assert by["cgroup v2 memory subtree"]["status"] == OK
     assert by["PSI (pressure stall information)"]["status"] == OK
+
+
+TRIG = Trigger("some", 300_000, 2_000_000)
+
+
+def test_psi_trigger_check_on_other_machines_answers(tmp_path: Path) -> None:
+    f = tmp_path / "memory.pressure"
+    armed = check_psi_trigger(TriggerAttempt(f, 0), TRIG, "6.1.0-28-arm64", True, 998)
+    assert armed.status == OK and armed.check == "PSI trigger"
+    assert armed.detail == (f"armed (and closed) a `some 300000 2000000` trigger on {f} (kernel "
+                            "6.1.0-28-arm64, CAP_SYS_RESOURCE held, uid 998)")
+    # Debian 12 under a unit without the capability: root-owned file, kernel 6.1
+    deb = check_psi_trigger(TriggerAttempt(f, errno.EACCES, owner=0), TRIG, "6.1.0-28-arm64",
+                            False, 998)
+    assert deb.status == WARN and deb.detail.startswith(
+        f"cannot arm `some 300000 2000000` on {f}: EACCES (kernel 6.1.0-28-arm64, "
+        "CAP_SYS_RESOURCE not held, uid 998): the file is owned by uid 0")
+    assert "Linux < 6.5 needs CAP_SYS_RESOURCE" in deb.detail
+    assert deb.detail.endswith("The daemon falls back to polling avg10 every 2 s")
+    assert "CapabilityBoundingSet= and AmbientCapabilities=" in deb.fix
+    assert "kernel >= 6.5" in deb.fix and "multiple of 2 s" in deb.fix
+    # a newer kernel without the capability and a 1 s window
+    one = check_psi_trigger(TriggerAttempt(f, errno.EINVAL), Trigger("some", 100_000, 1_000_000),
+                            "6.8.0", False, 998)
+    assert one.status == WARN and "1000000 us is not" in one.detail
+    assert "owned by" not in one.detail and "< 6.5" not in one.detail
+    none = check_psi_trigger(TriggerAttempt(None, errno.ENOENT), TRIG, "6.8.0", False, 0)
+    assert none.status == WARN and "psi=1" in none.fix
+
+
+def test_psi_trigger_tried_on_real_kernel_files() -> None:
+    psi = Path("/proc/pressure/memory")
+    if not psi.exists():
+        pytest.skip(f"SKIPPED LOUDLY: {psi} does not exist: kernel without PSI")
+    a = try_trigger(psi, TRIG)
+    if a.err in (errno.EPERM, errno.EACCES):
+        pytest.skip(f"SKIPPED LOUDLY: this process cannot arm a trigger on {psi} "
+                    f"({errno.errorcode[a.err]}): kernel < 6.5 without CAP_SYS_RESOURCE")
+    assert (a.err, a.path) == (0, psi)
+    refused = try_trigger(Path("/sys/devices/system/cpu/online"), TRIG)  # kernfs, read-only
+    assert refused.err == errno.EACCES and refused.owner == 0
+    assert try_trigger(None, TRIG).err == errno.ENOENT

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import edge_agent.daemon.memory_guard as guard_mod
+import edge_agent.daemon.pressure_sources as sources_mod
 from edge_agent.cgroup import MemoryEvent, PressureWatcher
 from edge_agent.cgroup.psi import _error, permission_hint
 from edge_agent.config import load_config
@@ -99,7 +99,7 @@ def test_refused_trigger_falls_back_to_polling_avg10(
         raise OSError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(PressureWatcher, "_arm", refused)
-    monkeypatch.setattr(guard_mod, "PSI_POLL_S", 0.02)
+    monkeypatch.setattr(sources_mod, "PSI_POLL_S", 0.02)
     d = daemon(tmp_path, env={"MEMORY_PRESSURE_WATCH": str(psi)})
     g = d.memory
 

@@ -69,8 +69,9 @@ def test_service_has_the_required_directives() -> None:
         "StateDirectory": "edge-agent", "RuntimeDirectory": "edge-agent",
         "RuntimeDirectoryPreserve": "yes", "User": "edge-agent",
         "SupplementaryGroups": "dialout", "ProtectSystem": "strict", "ProtectHome": "yes",
-        "PrivateTmp": "yes", "NoNewPrivileges": "yes", "CapabilityBoundingSet": "CAP_IPC_LOCK",
-        "AmbientCapabilities": "CAP_IPC_LOCK", "Requires": "edge-agent.socket",
+        "PrivateTmp": "yes", "NoNewPrivileges": "yes",
+        "CapabilityBoundingSet": "CAP_IPC_LOCK CAP_SYS_RESOURCE",
+        "AmbientCapabilities": "CAP_IPC_LOCK CAP_SYS_RESOURCE", "Requires": "edge-agent.socket",
     }
     for key, value in expected.items():
         assert d.get(key) == [value], f"{key}: {d.get(key)}"
@@ -79,6 +80,19 @@ def test_service_has_the_required_directives() -> None:
     # A delegated cgroup subtree must stay writable; the UART is a device.
     assert "ProtectControlGroups" not in d and "PrivateDevices" not in d
     assert d["ExecStart"] == ["/usr/bin/edge-agent serve"]
+
+
+def test_cap_sys_resource_says_why_and_when_to_drop_it() -> None:
+    """Kernel < 6.5 opens memory.pressure for writing (a PSI trigger) only with
+    CAP_SYS_RESOURCE; the unit grants it next to CAP_IPC_LOCK and says when it can go."""
+    text = render_units()["edge-agent.service"]
+    lines = text.splitlines()
+    at = lines.index("CapabilityBoundingSet=CAP_IPC_LOCK CAP_SYS_RESOURCE")
+    comment = " ".join(ln.lstrip("# ") for ln in lines[at - 5:at])
+    for needle in ("CAP_SYS_RESOURCE: Linux < 6.5", "arm a PSI trigger", "drops it right after "
+                   "arming", "Remove it on kernels >= 6.5", "systemd >= 254"):
+        assert needle in comment, (needle, comment)
+    assert lines[at + 1] == "AmbientCapabilities=CAP_IPC_LOCK CAP_SYS_RESOURCE"
 
 
 def test_socket_unit() -> None:

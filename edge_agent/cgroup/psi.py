@@ -16,8 +16,10 @@ Invariants owned here:
   event while checking it, so `handle_ready()` (the add_reader callback) counts readiness as
   one event. `wait(timeout)` is the blocking form for threads and tests.
 - Failures become PressureError with the cause: EOPNOTSUPP (PSI compiled in but disabled:
-  psi=1 missing), ENOENT (no PSI file), EINVAL (trigger rejected), EACCES/EPERM (kernel < 6.5
+  psi=1 missing), ENOENT (no PSI file), EINVAL (trigger rejected; on a kernel >= 6.5 without
+  CAP_SYS_RESOURCE also a window that is not a multiple of 2 s), EACCES/EPERM (kernel < 6.5
   without CAP_SYS_RESOURCE, or a root-owned file under systemd < 254: never a Delegate= issue).
+  The hint says which of these applies to this process (kernel release, CapEff, file owner).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import base64
 import binascii
 import errno
 import os
+import re
 import select
 import socket
 import stat
@@ -33,15 +36,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_agent.cgroup.caps import CAP_SYS_RESOURCE, holds
 from edge_agent.cgroup.fs import FIX_PSI, CgroupError, errno_name
 from edge_agent.cgroup.values import Trigger
 from edge_agent.errors import ConfigError
 
 __all__ = ["PressureWatcher", "PressureError", "PressureStats", "parse_pressure",
-           "read_pressure", "permission_hint", "ENV_WATCH", "ENV_WRITE"]
+           "read_pressure", "permission_hint", "window_hint", "has_cap_sys_resource",
+           "unprivileged_triggers", "ENV_WATCH", "ENV_WRITE", "CAP_SYS_RESOURCE",
+           "FIX_TRIGGER"]
 
 ENV_WATCH = "MEMORY_PRESSURE_WATCH"
 ENV_WRITE = "MEMORY_PRESSURE_WRITE"
+UNPRIVILEGED_SINCE = (6, 5)  # Linux 6.5: triggers without CAP_SYS_RESOURCE, 2 s windows only
+FIX_TRIGGER = ("add CAP_SYS_RESOURCE to the unit's CapabilityBoundingSet= and "
+               "AmbientCapabilities= (the shipped unit has it: re-run `edge-agent systemd "
+               "install`); or boot a kernel >= 6.5 and use a trigger window that is a multiple "
+               "of 2 s (cgroup policy pressure.trigger)")
 
 
 class PressureError(CgroupError):
@@ -87,25 +98,69 @@ def read_pressure(path: Path) -> PressureStats:
     return parse_pressure(text, str(path))
 
 
-def permission_hint(path: Path, release: str | None = None, uid: int | None = None) -> str:
+def has_cap_sys_resource(status_text: str | None = None) -> bool:
+    """CAP_SYS_RESOURCE in this process's effective set (CapEff of /proc/self/status)."""
+    return holds(CAP_SYS_RESOURCE, status_text)
+
+
+def unprivileged_triggers(release: str) -> bool:
+    """Linux >= 6.5 lets a process without CAP_SYS_RESOURCE arm a trigger (2 s windows)."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= UNPRIVILEGED_SINCE
+
+
+def _window(payload: bytes | None) -> int | None:
+    parts = (payload or b"").rstrip(b"\0\n").split()
+    return int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None
+
+
+def window_hint(release: str, has_cap: bool, window_us: int | None) -> str | None:
+    """The 2 s rule, when it is what refused the trigger: kernel >= 6.5, no CAP_SYS_RESOURCE and
+    a window that is not a multiple of 2 s. None when that rule does not apply."""
+    if has_cap or window_us is None or window_us % 2_000_000 == 0:
+        return None
+    if not 500_000 <= window_us <= 10_000_000:
+        return None  # out of range for everyone: the generic EINVAL hint says so
+    if not unprivileged_triggers(release):
+        return None
+    return (f"this process lacks CAP_SYS_RESOURCE and runs Linux {release} (>= 6.5), which "
+            f"accepts unprivileged triggers only with a window that is a multiple of 2 s; "
+            f"{window_us} us is not. Fix: use a window of 2000000, 4000000, ... us in the cgroup "
+            "policy's pressure.trigger, or grant CAP_SYS_RESOURCE (AmbientCapabilities= and "
+            "CapabilityBoundingSet= in the unit)")
+
+
+def permission_hint(path: Path, release: str | None = None, uid: int | None = None,
+                    has_cap: bool | None = None, window_us: int | None = None) -> str:
     """Why a trigger write is refused with EACCES/EPERM and what fixes it. Delegate=yes is
-    not the cause when the group is delegated: the kernel or systemd version is."""
+    not the cause when the group is delegated: the kernel, the capability, the file's owner
+    (systemd < 254) or the 2 s rule is."""
     release = os.uname().release if release is None else release
     uid = os.geteuid() if uid is None else uid
+    has_cap = has_cap_sys_resource() if has_cap is None else has_cap
     try:
         owner: int | None = os.stat(path).st_uid
     except OSError:
         owner = None
-    owned = ("" if owner is None or owner == uid else
-             f"; {path.name} is owned by uid {owner}, not by this process (uid {uid}): "
-             "systemd < 254 leaves it root-owned even with Delegate=yes")
-    return (f"not allowed to create a PSI trigger (kernel {release}){owned}. Before Linux 6.5 "
-            "creating a trigger needs CAP_SYS_RESOURCE; from 6.5 unprivileged triggers are "
-            "allowed when the window is a multiple of 2 s. Fix one of: add "
-            "`AmbientCapabilities=CAP_SYS_RESOURCE` to the unit's [Service]; use systemd >= 254, "
-            "which arms the trigger itself and passes $MEMORY_PRESSURE_WATCH (MemoryPressureWatch"
-            "=auto); or boot a kernel >= 6.5. Without a trigger the daemon polls memory.pressure "
-            "(some avg10) every 2 s instead")
+    why = []
+    if owner is not None and owner != uid:
+        why.append(f"{path.name} is owned by uid {owner}, not by this process (uid {uid}): "
+                   "systemd < 254 leaves it root-owned even with Delegate=yes (edge-agent then "
+                   "arms triggers on the supervisor/ and models/ groups it creates and owns)")
+    if not unprivileged_triggers(release) and not has_cap:
+        why.append(f"Linux {release} (< 6.5) opens a pressure file for writing only with "
+                   "CAP_SYS_RESOURCE, which this process lacks")
+    rule = window_hint(release, has_cap, window_us)
+    if rule:
+        why.append(rule)
+    cap = "holds" if has_cap else "lacks"
+    return (f"not allowed to create a PSI trigger (kernel {release}; this process {cap} "
+            f"CAP_SYS_RESOURCE): {'; '.join(why) or 'no known rule explains it'}. Before Linux "
+            "6.5 creating a trigger needs CAP_SYS_RESOURCE; from 6.5 unprivileged triggers are "
+            f"allowed when the window is a multiple of 2 s. Fix one of: {FIX_TRIGGER}; or use "
+            "systemd >= 254, which arms the trigger itself and passes $MEMORY_PRESSURE_WATCH "
+            "(MemoryPressureWatch=auto). Without any trigger the daemon polls memory.pressure "
+            "(avg10) every 2 s instead")
 
 
 def _error(action: str, path: Path, exc: OSError, payload: bytes | None = None) -> PressureError:
@@ -118,11 +173,13 @@ def _error(action: str, path: Path, exc: OSError, payload: bytes | None = None) 
     elif err == errno.ENOENT:
         hint = FIX_PSI + "."
     elif err == errno.EINVAL:
-        hint = ("the kernel rejected the trigger: use `some|full STALL_US WINDOW_US` with a "
+        rule = window_hint(os.uname().release, has_cap_sys_resource(), _window(payload))
+        hint = (rule + "." if rule else
+                "the kernel rejected the trigger: use `some|full STALL_US WINDOW_US` with a "
                 "window of 500000..10000000 us and a stall no longer than the window; without "
                 "CAP_SYS_RESOURCE (kernel >= 6.5) the window must be a multiple of 2 s.")
     elif err in (errno.EACCES, errno.EPERM):
-        hint = permission_hint(path)
+        hint = permission_hint(path, window_us=_window(payload))
     else:
         hint = "see `edge-agent doctor`."
     code = errno_name(err)

@@ -1,7 +1,8 @@
 """`edge-agent doctor [--json]`: what this board needs, each finding with its fix.
 
-Checks: cgroup v2 mounted, our memory subtree (memory controller, delegation), PSI, memory
-locking (RLIMIT_MEMLOCK / CAP_IPC_LOCK), swap, systemd features, serial port access.
+Checks: cgroup v2 mounted, our memory subtree (memory controller, delegation), PSI, whether a
+PSI trigger can be armed (doctor_psi.py), memory locking (RLIMIT_MEMLOCK / CAP_IPC_LOCK), swap,
+systemd features, serial port access.
 Each check is a pure function of what it reads, so tests feed it other machines' answers.
 Exit 0 when nothing fails (warnings allowed), 1 when something is missing.
 """
@@ -24,9 +25,13 @@ from pathlib import Path
 from typing import TextIO
 
 from edge_agent.cgroup.fs import FIX_DELEGATE, FIX_UNIFIED, CgroupRoot, Detection, detect
+from edge_agent.cgroup.psi import has_cap_sys_resource
+from edge_agent.cgroup.values import Trigger
+from edge_agent.commands import doctor_psi
 from edge_agent.sizes import format_size
 
-__all__ = ["register", "run", "Finding", "check_cgroup", "check_psi", "check_memlock",
+__all__ = ["register", "run", "Finding", "check_cgroup", "check_psi", "check_psi_trigger",
+           "check_memlock",
            "check_swap", "check_systemd", "check_serial", "parse_systemd_version",
            "cap_ipc_lock", "gather", "SERIAL_GLOBS"]
 
@@ -67,6 +72,22 @@ def check_psi(d: Detection) -> Finding:
     from edge_agent.cgroup.fs import FIX_PSI
 
     return Finding("PSI (pressure stall information)", FAIL, d.psi_detail, FIX_PSI)
+
+
+def check_psi_trigger(attempt: doctor_psi.TriggerAttempt, trigger: Trigger, release: str,
+                      has_cap: bool, uid: int) -> Finding:
+    return Finding(doctor_psi.CHECK, *doctor_psi.check_psi_trigger(attempt, trigger, release,
+                                                                   has_cap, uid))
+
+
+def _default_trigger() -> Trigger:
+    from edge_agent.cgroup.policy import load_policy
+    from edge_agent.errors import EdgeAgentError
+
+    try:
+        return load_policy().pressure.trigger
+    except EdgeAgentError:
+        return Trigger("some", 300_000, 2_000_000)
 
 
 def cap_ipc_lock(status_text: str) -> bool:
@@ -173,10 +194,14 @@ def gather(proc: Path = Path("/proc")) -> list[Finding]:
     d = detect(CgroupRoot(proc=proc))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     ports = [p for g in SERIAL_GLOBS for p in glob.glob(g)]
+    trigger = _default_trigger()
+    status = _read(proc / "self" / "status")
     return [
         *check_cgroup(d),
         check_psi(d),
-        check_memlock(soft, hard, cap_ipc_lock(_read(proc / "self" / "status"))),
+        check_psi_trigger(doctor_psi.try_trigger(d.pressure_file, trigger), trigger,
+                          os.uname().release, has_cap_sys_resource(status), os.geteuid()),
+        check_memlock(soft, hard, cap_ipc_lock(status)),
         check_swap(_read(proc / "swaps")),
         check_systemd(_systemctl_version()),
         check_serial(ports, lambda p: os.access(p, os.R_OK | os.W_OK), _dialout()),
@@ -186,8 +211,9 @@ def gather(proc: Path = Path("/proc")) -> list[Finding]:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = sub.add_parser("doctor", help="check what this board needs (exit 1 if missing)",
                             description="Check cgroup v2, delegation, the memory controller, "
-                            "PSI, memory locking, swap, systemd and serial ports; print each "
-                            "finding with its fix. Exit 0 when nothing is missing, 1 otherwise.")
+                            "PSI and whether a PSI trigger can be armed, memory locking, swap, "
+                            "systemd and serial ports; print each finding with its fix. Exit 0 "
+                            "when nothing is missing, 1 otherwise.")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     parser.set_defaults(func=run)

@@ -22,17 +22,16 @@ Invariants owned here:
   `check_admission`) and unloads idle models, 3 fails the lowest-priority running requests with
   the reason (again at most every `escalate_interval_s` while pressure lasts). Releases come from
   a timer at `Stages.next_wakeup`.
-- When the kernel refuses the PSI trigger (EACCES/EPERM: kernel < 6.5 without
-  CAP_SYS_RESOURCE, or a root-owned file), the same PSI file's `some avg10` is polled every
-  `PSI_POLL_S` instead; a reading at or above the trigger's share (stall/window) counts as one
-  pressure event.
+- Pressure comes from `PressureSources` (pressure_sources.py: $MEMORY_PRESSURE_WATCH, else a
+  trigger on the service's memory.pressure, else triggers on supervisor/ and models/, which this
+  process created and owns; polling avg10 only when nothing can be armed). Any source firing is
+  one pressure event; /health `pressure.sources` and /metrics say which files and how.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import sqlite3
 import time
 from collections import defaultdict
@@ -48,14 +47,14 @@ from edge_agent.cgroup import (
     EventsWatcher,
     MemoryEvent,
     ModelGroup,
-    PressureWatcher,
     Stages,
     Status,
     Transition,
     load_policy,
-    read_pressure,
 )
+from edge_agent.cgroup.fs import MODELS, SUPERVISOR
 from edge_agent.cgroup.stages import STAGE_NAMES
+from edge_agent.daemon.pressure_sources import PressureSources
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError
 from edge_agent.scheduler import ModelState
@@ -70,7 +69,6 @@ IO_FACTORY: Callable[[], CgroupIO] = CgroupIO
 EVENTS_POLL_S = 1.0  # memory.events poll period when inotify is unavailable
 EVENT_LOG_INTERVAL_S = 30.0  # at most one log line per group and key (high/max/oom) this often
 LOGGED_KEYS = ("high", "max", "oom")
-PSI_POLL_S = 2.0  # memory.pressure poll period when no trigger can be created
 
 
 class MemoryGuard:
@@ -82,10 +80,9 @@ class MemoryGuard:
         self.mgr: CgroupManager | None = None
         self.status = Status(False, "not started", "", policy=self.policy.name)
         self.events: EventsWatcher | None = None
-        self.pressure: PressureWatcher | None = None
-        self.pressure_error: str | None = None
-        self.pressure_file: Path | None = None
-        self.poll_file: Path | None = None  # polled PSI file when no trigger could be armed
+        self.pressure_file: Path | None = None  # the service's memory.pressure (detection)
+        self.psi = PressureSources(self.policy.pressure.trigger, log=daemon.log,
+                                   on_hit=self._pressure_hit, stopping=lambda: daemon.stopping)
         self.oom_kills: dict[str, int] = defaultdict(int)
         self.memory_events: dict[tuple[str, str], int] = defaultdict(int)
         self.transitions: dict[tuple[int, int], int] = defaultdict(int)
@@ -130,46 +127,11 @@ class MemoryGuard:
         self._start_pressure(loop)
 
     def _start_pressure(self, loop: asyncio.AbstractEventLoop) -> None:
-        pw: PressureWatcher | None = None
-        try:
-            pw = PressureWatcher.from_env(self.d.env, self.pressure_file,
-                                          self.policy.pressure.trigger)
-            if pw is None:
-                self.pressure_error = ("off ($MEMORY_PRESSURE_WATCH=/dev/null)"
-                                       if self.d.env.get("MEMORY_PRESSURE_WATCH") else
-                                       "no pressure source (no PSI file found)")
-                self.d.log(f"memory pressure: {self.pressure_error}")
-                return
-            pw.open()
-        except CgroupError as exc:
-            self.pressure_error = str(exc)
-            self.d.log(f"memory pressure: not watched: {exc}")
-            if pw is not None and pw.kind == "psi" and exc.errno in (errno.EACCES, errno.EPERM):
-                self._start_polling(pw.path)
-            return
-        self.pressure = pw
-        loop.add_reader(pw.fileno(), self._on_pressure)
-        self._readers.append(pw.fileno())
-        self.d.log(f"memory pressure: watching {pw.path} ({pw.kind}"
-                   + (f"; {pw.note}" if pw.note else "") + ")")
-
-    def _start_polling(self, path: Path) -> None:
-        try:
-            read_pressure(path)
-        except CgroupError as exc:
-            self.d.log(f"memory pressure: cannot poll either: {exc}")
-            return
-        self.poll_file = path
-        self.d.log(f"memory pressure: polling {path} (some avg10 >= {self._threshold():g}%) "
-                   f"every {PSI_POLL_S:g} s instead of a trigger")
-        self._later("psi-poll", PSI_POLL_S, self._poll_pressure)
-
-    def _poll_pressure(self) -> None:
-        if self.poll_file is None:
-            return
-        if self._above(self.poll_file):
-            self._pressure_hit()
-        self._later("psi-poll", PSI_POLL_S, self._poll_pressure)
+        leaves: list[tuple[str, Path]] = []
+        if self.mgr is not None and self.mgr.available:
+            leaves = [(leaf, self.mgr.fs.path(self.mgr._rel(leaf), "memory.pressure"))
+                      for leaf in (SUPERVISOR, MODELS)]
+        self.psi.start(loop, self.d.env, self.pressure_file, leaves)
 
     def close(self) -> None:
         """At exit, after every runner is reaped: remove our groups and stop watching."""
@@ -185,9 +147,7 @@ class MemoryGuard:
             self._flush_event_log()
             self.events.close()
             self.events = None
-        if self.pressure is not None:
-            self.pressure.close()
-            self.pressure = None
+        self.psi.close()
         if self.mgr is not None:
             for err in self.mgr.teardown():
                 self.d.log(f"cgroup v2: teardown: {err}")
@@ -296,59 +256,17 @@ class MemoryGuard:
             del self._log_last[k]
 
     # -- pressure ------------------------------------------------------------------------------
-    def _on_pressure(self) -> None:
-        pw = self.pressure
-        if pw is None:
-            return
-        try:
-            hit = pw.handle_ready()
-        except CgroupError as exc:
-            hit = False
-            pw.closed = True
-            self.pressure_error = str(exc)
-        if pw.closed:
-            self.pressure_error = self.pressure_error or f"{pw.path}: closed by the other end"
-            self.d.log(f"memory pressure: no longer watched: {self.pressure_error}")
-            if self._loop is not None:
-                self._loop.remove_reader(pw.fileno())
-                self._readers.remove(pw.fileno())
-            pw.close()
-            self.pressure = None
-            return
-        if hit:
-            self._pressure_hit()
-
-    def _pressure_hit(self) -> None:
+    def _pressure_hit(self, detail: str = "PSI trigger fired") -> None:
         now = time.monotonic()
-        t = self.stages.on_pressure(now)
+        t = self.stages.on_pressure(now, detail)
         if t is not None:
             self._changed(t)
         self._act(now, escalated=t is not None)
         self._schedule_release(now)
 
-    def _threshold(self) -> float:
-        """The trigger's share of stalled time, in percent (avg10's unit)."""
-        trig = self.policy.pressure.trigger
-        return 100.0 * trig.stall_us / trig.window_us
-
-    def _above(self, path: Path | None) -> bool:
-        """A PSI reading at or above the trigger's share (stall/window)."""
-        if path is None:
-            return False
-        try:
-            stats = read_pressure(path)
-        except CgroupError:
-            return False
-        some = self.policy.pressure.trigger.kind == "some"
-        return (stats.some_avg10 if some else (stats.full_avg10 or 0.0)) >= self._threshold()
-
-    def _still_high(self) -> bool:
-        """A PSI reading above the trigger's share says pressure is not over."""
-        return self._above(self.poll_file or self.pressure_file)
-
     def _tick(self) -> None:
         now = time.monotonic()
-        t = self.stages.tick(now, still_high=self._still_high())
+        t = self.stages.tick(now, still_high=self.psi.still_high())
         if t is not None:
             self._changed(t)
         self._schedule_release(now)
@@ -448,12 +366,9 @@ class MemoryGuard:
         return out
 
     def pressure_dict(self) -> dict[str, Any]:
-        pw = self.pressure
         out: dict[str, Any] = dict(self.stages.to_dict())
-        poll = str(self.poll_file) if self.poll_file else None
-        out.update(source=str(pw.path) if pw else poll,
-                   kind=pw.kind if pw else ("poll" if poll else None),
-                   trigger=str(self.policy.pressure.trigger), error=self.pressure_error,
+        out.update(self.psi.to_dict())
+        out.update(trigger=str(self.policy.pressure.trigger),
                    retry_after_s=self.stages.actions.retry_after_s,
                    batch_limits={n: self.batch_limit(s.max_batch)
                                  for n, s in self.d.services.items()})
@@ -462,7 +377,7 @@ class MemoryGuard:
     def render_metrics(self) -> str:
         from edge_agent.daemon.memory_metrics import render
 
-        return render(self)
+        return render(self) + self.psi.render_metrics()
 
     # -- helpers -------------------------------------------------------------------------------
     def _warn(self, text: str) -> None:

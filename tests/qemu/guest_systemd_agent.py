@@ -1,11 +1,13 @@
 """Runs INSIDE the systemd guest (python3, as root): install edge-agent the way a user does, start
-it with systemctl, freeze it for the watchdog, stop it while a request runs. Prints one JSON
-object per fact (`{"step": ..., ...}`) on stdout; the host test asserts on them.
+it with systemctl, make a memory hog stall under models/ so the daemon's PSI trigger fires,
+freeze it for the watchdog, stop it while a request runs. Prints one JSON object per fact
+(`{"step": ..., ...}`) on stdout; the host test asserts on them.
 
 Inputs on the payload disk (/ea): config.toml (-> /etc/edge-agent/config.toml), policy.toml
 (the cgroup policy it names), tiny.gguf (the model it names), watchdog.conf (a drop-in for
 edge-agent.service). Invariants: never waits without a bound; every systemctl call's output
-is reported, not interpreted here.
+is reported, not interpreted here; the hog's group (models/probe) is gone before the watchdog
+step restarts the daemon.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def cgroup_tree(top: str) -> dict[str, dict[str, str]]:
     return tree
 
 
+def caps(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return dict(ln.split(":\t", 1) for ln in text.splitlines() if ln.startswith("Cap"))
+
+
+def pressure_metrics() -> list[str]:
+    return [ln for ln in client(10.0).metrics().splitlines()
+            if ln.startswith("edge_agent_memory_pressure")]
+
+
 def install() -> None:
     r = sh(sys.executable, "-m", "edge_agent", "systemd", "install")
     emit("install", rc=r.returncode, stderr=r.stderr)
@@ -136,12 +148,69 @@ def serve_and_cgroups() -> None:
     state = show()
     main = int(state["MainPID"])
     runners = {n: m.get("runner_pid") for n, m in h["models"].items()}
+    svc = Path(f"/sys/fs/cgroup{state['ControlGroup']}")
+    owners = {str(d.relative_to(svc)) or ".": os.stat(d / "memory.pressure").st_uid
+              for d in (svc, svc / "supervisor", svc / "models")}
+    log = sh("journalctl", "--no-pager", "-o", "cat", "-u", UNIT).stdout
     emit("cgroups", main_pid=main, main_cgroup=cgroup_of(main), control_group=state[
         "ControlGroup"], runners={n: [p, cgroup_of(p) if p else None] for n, p in runners.items()},
         health_cgroup=h.get("cgroup"), pressure=h.get("pressure"),
-        pressure_file_owner=os.stat(f"/sys/fs/cgroup{state['ControlGroup']}/memory.pressure"
-                                    ).st_uid, service_uid=os.stat(f"/proc/{main}").st_uid,
+        pressure_file_owners=owners, service_uid=os.stat(f"/proc/{main}").st_uid,
+        kernel=os.uname().release, main_caps=caps(main),
+        runner_caps={n: caps(p) for n, p in runners.items() if p},
+        metrics=pressure_metrics(),
+        pressure_log=[ln for ln in log.splitlines() if "memory pressure" in ln],
         tree=cgroup_tree(state["ControlGroup"]))
+
+
+HOG = """
+import time
+end = time.monotonic() + 45
+while time.monotonic() < end:
+    x = b"x" * (48 << 20)
+    del x
+"""
+
+
+def pressure_probe() -> None:
+    """A hog in models/probe (memory.high 16M, no swap) stalls on reclaim and throttling; the
+    stall reaches models/memory.pressure, where the daemon armed its trigger."""
+    cg = Path("/sys/fs/cgroup") / show()["ControlGroup"].lstrip("/") / "models"
+    probe = cg / "probe"
+    probe.mkdir()
+    (probe / "memory.max").write_text(str(128 << 20))
+    (probe / "memory.high").write_text(str(16 << 20))
+    (probe / "memory.swap.max").write_text("0")
+    procs = str(probe / "cgroup.procs")
+
+    def join() -> None:
+        with open(procs, "w") as f:
+            f.write("0")
+
+    before = client(10.0).health()["pressure"]
+    t0 = time.monotonic()
+    hog = subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=join)
+    seen: dict[str, Any] = before
+    try:
+        while time.monotonic() - t0 < 60 and hog.poll() is None:
+            seen = client(10.0).health()["pressure"]
+            if seen["events"] > before["events"]:
+                break
+            time.sleep(0.25)
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
+    took = round(time.monotonic() - t0, 2)
+    for _ in range(100):
+        try:
+            probe.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+    log = sh("journalctl", "--no-pager", "-o", "cat", "-u", UNIT).stdout
+    emit("pressure_probe", before=before, after=seen, seconds=took, metrics=pressure_metrics(),
+         models_pressure=(cg / "memory.pressure").read_text(), probe_removed=not probe.exists(),
+         pressure_log=[ln for ln in log.splitlines() if "memory pressure" in ln][-10:])
 
 
 def watchdog() -> None:
@@ -173,7 +242,7 @@ def stop_while_running() -> None:
 
     def long_request() -> None:
         try:
-            result["reply"] = client(120.0).complete("Tell me a long story", max_tokens=400)
+            result["reply"] = client(120.0).complete("Tell me a long story", max_tokens=200)
         except Exception as exc:  # noqa: BLE001 - reported
             result["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -206,6 +275,7 @@ def main() -> int:
         emit("journal", text=log[-6000:])
         return 1
     serve_and_cgroups()
+    pressure_probe()
     watchdog()
     stop_while_running()
     return 0
