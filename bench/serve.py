@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,9 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_agent.client import UnixHTTPConnection
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # daemon_proc, the launcher the tests use
+
+from daemon_proc import Daemon, DaemonError, launch, serve_argv  # noqa: E402
+
+from edge_agent.client import UnixHTTPConnection  # noqa: E402
+
 TOPICS = ["a lighthouse keeper", "a lost robot", "a desert town", "an old violin",
           "a mountain train", "a clockmaker", "a red kite", "a sunken ship", "a night market",
           "a snow leopard", "a paper boat", "a glass garden", "a quiet library",
@@ -107,23 +106,12 @@ def runtime_round(state_dir: Path, c: int, tokens: int) -> dict[str, Any]:
     return {"tokens": c * tokens, "wall_s": wall, "tok_s": c * tokens / wall}
 
 
-def start_daemon(root: Path, state_dir: Path, max_batch: int) -> tuple[subprocess.Popen, Path]:
-    sock = root / "bench.sock"
+def write_config(root: Path, state_dir: Path, max_batch: int) -> Path:
     cfg = root / "config.toml"
-    cfg.write_text(f'[server]\nsocket = "{sock}"\nstate_dir = "{state_dir.resolve()}"\n'
+    cfg.write_text(f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state_dir.resolve()}"\n'
                    f"[scheduler]\nqueue_max = 64\nmax_batch_size = {max_batch}\n"
                    f"[models.smollm2]\ncontext = 512\nmax_batch = {max_batch}\npreload = true\n")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env["NOTIFY_SOCKET"] = str(root / "notify.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config", str(cfg)],
-                            cwd=REPO, env=env, stderr=subprocess.DEVNULL)
-    notify.settimeout(600)
-    while b"READY=1" not in notify.recv(4096).split(b"\n"):
-        pass
-    notify.close()
-    return proc, sock
+    return cfg
 
 
 def main() -> int:
@@ -135,22 +123,23 @@ def main() -> int:
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     root = Path(tempfile.mkdtemp(prefix="ea-bench-", dir="/tmp"))
-    proc, sock = start_daemon(root, Path(args.state_dir), max(levels))
+    cfg = write_config(root, Path(args.state_dir), max(levels))
     rows = []
     try:
-        daemon_round(str(sock), 1, 8)  # warm the path
-        for c in levels:
-            d = daemon_round(str(sock), c, args.tokens)
-            r = runtime_round(Path(args.state_dir), c, args.tokens)
-            d["runtime_tok_s"] = r["tok_s"]
-            d["ratio"] = d["tok_s"] / r["tok_s"]
-            rows.append(d)
-            print(f"C={c}: daemon {d['tok_s']:.1f} tok/s, runtime {r['tok_s']:.1f} tok/s",
-                  file=sys.stderr)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        shutil.rmtree(root, ignore_errors=True)
+        with launch(Daemon, root, serve_argv(cfg), ready_timeout=600, grace=60) as daemon:
+            sock = str(daemon.sock)
+            daemon_round(sock, 1, 8)  # warm the path
+            for c in levels:
+                d = daemon_round(sock, c, args.tokens)
+                r = runtime_round(Path(args.state_dir), c, args.tokens)
+                d["runtime_tok_s"] = r["tok_s"]
+                d["ratio"] = d["tok_s"] / r["tok_s"]
+                rows.append(d)
+                print(f"C={c}: daemon {d['tok_s']:.1f} tok/s, runtime {r['tok_s']:.1f} tok/s",
+                      file=sys.stderr)
+    except DaemonError as exc:  # exited or silent before READY=1: its log's tail
+        print(exc, file=sys.stderr)
+        return 1
     base = rows[0]["tok_s"]
     for row in rows:
         row["scaling_vs_c1"] = row["tok_s"] / base

@@ -27,9 +27,7 @@ import os
 import re
 import select
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +37,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # daemon_proc, the launcher the tests use
+
+from daemon_proc import Daemon, DaemonError, launch, serve_argv  # noqa: E402
 
 from edge_agent.client import UnixHTTPConnection  # noqa: E402
 from edge_agent.protocol import frames as fr  # noqa: E402
@@ -189,6 +190,49 @@ def frames_run(wire: Wire, tokens: int, rid: int, log: Path, seen: int, sock: st
     return row, seen
 
 
+def measure(args: argparse.Namespace, wire: Wire, d: Daemon) -> dict[str, Any]:
+    """The rounds against a READY daemon: medians per path and the ratios to the socket."""
+    sock = str(d.sock)
+    socket_run(sock, 4)  # warm up
+    rows: dict[str, list[dict[str, Any]]] = {"socket": [], "console": [], "frames": []}
+    seen = 0
+    for r in range(args.rounds):
+        rows["socket"].append(socket_run(sock, args.tokens))
+        row, seen = console_run(wire, args.tokens, d.log, seen, sock)
+        rows["console"].append(row)
+        row, seen = frames_run(wire, args.tokens, 100 + r, d.log, seen, sock)
+        rows["frames"].append(row)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    result: dict[str, Any] = {"baud": args.baud, "tokens": args.tokens, "rounds": args.rounds}
+    for path, rs in rows.items():
+        result[path] = {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]}
+        if "wire_bytes_per_token" in result[path]:
+            result[path]["wire_capacity_tok_s"] = round(
+                args.baud / 10 / result[path]["wire_bytes_per_token"], 1)
+    for path in ("console", "frames"):
+        result[f"{path}_vs_socket_tok_s"] = round(result[path]["tok_s"]
+                                                  / result["socket"]["tok_s"], 3)
+    return result
+
+
+def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{args.tokens} tokens, temperature 0, {args.rounds} rounds (medians), "
+          f"wire modelled at {args.baud} baud 8N1")
+    print(f"{'path':8} {'tok/s':>7} {'TTFT s':>7} {'added ms p50':>12} {'p95':>7} "
+          f"{'B/token':>8} {'wire max tok/s':>14}")
+    for path in ("socket", "console", "frames"):
+        d = result[path]
+        print(f"{path:8} {d['tok_s']:7.2f} {d['ttft_s']:7.3f} "
+              f"{d.get('added_ms_p50', 0):12.2f} {d.get('added_ms_p95', 0):7.2f} "
+              f"{d.get('wire_bytes_per_token', 0):8.1f} "
+              f"{d.get('wire_capacity_tok_s', 0):14.1f}")
+    print(f"tok/s vs socket: console {result['console_vs_socket_tok_s']}, "
+          f"frames {result['frames_vs_socket_tok_s']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--state-dir", default=str(REPO / ".state"))
@@ -207,75 +251,18 @@ def main() -> int:
         '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
         "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
         f'[serial]\nport = "{slave_path}"\nbaudrate = {args.baud}\n')
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    notify.settimeout(1.0)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
-    log = (root / "daemon.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                             str(root / "config.toml")], cwd=REPO, env=env, stdout=log,
-                            stderr=log)
     try:
-        end = time.monotonic() + 600
-        while True:
-            try:
-                if b"READY=1" in notify.recv(4096).split(b"\n"):
-                    break
-            except TimeoutError:
-                pass
-            if proc.poll() is not None or time.monotonic() > end:
-                print((root / "daemon.log").read_text()[-3000:], file=sys.stderr)
-                return 1
-        wire = Wire(master, args.baud)
-        sock = str(root / "ea.sock")
-        logpath = root / "daemon.log"
-        socket_run(sock, 4)  # warm up
-        rows: dict[str, list[dict[str, Any]]] = {"socket": [], "console": [], "frames": []}
-        seen = 0
-        for r in range(args.rounds):
-            rows["socket"].append(socket_run(sock, args.tokens))
-            row, seen = console_run(wire, args.tokens, logpath, seen, sock)
-            rows["console"].append(row)
-            row, seen = frames_run(wire, args.tokens, 100 + r, logpath, seen, sock)
-            rows["frames"].append(row)
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-        result: dict[str, Any] = {"baud": args.baud, "tokens": args.tokens,
-                                  "rounds": args.rounds}
-        for path, rs in rows.items():
-            result[path] = {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]}
-            if "wire_bytes_per_token" in result[path]:
-                result[path]["wire_capacity_tok_s"] = round(
-                    args.baud / 10 / result[path]["wire_bytes_per_token"], 1)
-        for path in ("console", "frames"):
-            result[f"{path}_vs_socket_tok_s"] = round(result[path]["tok_s"]
-                                                      / result["socket"]["tok_s"], 3)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        else:
-            print(f"{args.tokens} tokens, temperature 0, {args.rounds} rounds (medians), "
-                  f"wire modelled at {args.baud} baud 8N1")
-            print(f"{'path':8} {'tok/s':>7} {'TTFT s':>7} {'added ms p50':>12} {'p95':>7} "
-                  f"{'B/token':>8} {'wire max tok/s':>14}")
-            for path in ("socket", "console", "frames"):
-                d = result[path]
-                print(f"{path:8} {d['tok_s']:7.2f} {d['ttft_s']:7.3f} "
-                      f"{d.get('added_ms_p50', 0):12.2f} {d.get('added_ms_p95', 0):7.2f} "
-                      f"{d.get('wire_bytes_per_token', 0):8.1f} "
-                      f"{d.get('wire_capacity_tok_s', 0):14.1f}")
-            print(f"tok/s vs socket: console {result['console_vs_socket_tok_s']}, "
-                  f"frames {result['frames_vs_socket_tok_s']}")
-        return 0
+        with launch(Daemon, root, serve_argv(root / "config.toml"), ready_timeout=600,
+                    grace=30) as d:
+            result = measure(args, Wire(master, args.baud), d)
+    except DaemonError as exc:  # exited or silent before READY=1: its log's tail
+        print(exc, file=sys.stderr)
+        return 1
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        notify.close()
         os.close(master)
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)  # launch removes it, unless it never started
+    report(args, result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import sqlite3
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from bench/
 
-from test_daemon_e2e import Daemon  # noqa: E402
+from daemon_proc import REPO, Daemon, serve_argv, spawn, stop  # noqa: E402
 
 __all__ = ["Daemon", "REPO", "write_config", "start", "kill", "journal_tokens",
            "link_prepared", "tiny_gguf", "wait_done", "references", "sessions_history",
@@ -53,39 +49,18 @@ def write_config(root: Path, state: Path, models: dict[str, tuple[Path | None, b
 
 def start(root: Path, *, wait_ready: bool = True, timeout: float = 120.0) -> Daemon:
     """Spawn the daemon on root/config.toml (log appended to root/daemon.log)."""
-    for name in ("notify.sock", "ea.sock"):
-        (root / name).unlink(missing_ok=True)
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
-    log = root / "daemon.log"
-    with log.open("ab") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                                 str(root / "config.toml")], cwd=REPO, env=env, stdout=fh,
-                                stderr=fh, start_new_session=True)
-    d = Daemon(root, proc, notify, log)
+    (root / "ea.sock").unlink(missing_ok=True)  # the killed daemon's
+    d = spawn(Daemon, root, serve_argv(root / "config.toml"), append_log=True,
+              start_new_session=True)
     if wait_ready:
         d.wait_notify("READY=1", timeout)
     return d
 
 
 def kill(d: Daemon) -> None:
-    """SIGKILL the daemon and its runner (its process group) and reap the daemon."""
-    if d.proc.poll() is None:
-        os.killpg(d.proc.pid, signal.SIGKILL)
-        d.proc.wait(10)
-    else:  # it exited by itself; its runner (same group) may still be reading EOF
-        try:
-            os.killpg(d.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        d.notify.shutdown(socket.SHUT_RDWR)  # wakes the reader thread's recv() at once
-    except OSError:
-        pass
-    d.notify.close()
-    d.reader.join(5)
+    """SIGKILL the daemon and its runner (its process group) and reap the daemon; a daemon
+    that exited by itself may have left its runner (same group) reading EOF: killed too."""
+    stop(d, group=True)
 
 
 def journal_tokens(path: Path) -> dict[str, list[int]]:

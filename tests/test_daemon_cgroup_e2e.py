@@ -25,11 +25,10 @@ from typing import Any
 
 import pytest
 from cgroup_fake import Tree, make_tree
-from test_daemon_e2e import Daemon, launch
+from daemon_proc import REPO, Daemon, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[1]
 OWN = "system.slice/edge-agent.service"
 MAX_BATCH = 4
 HOLD_S = 2.0
@@ -111,7 +110,7 @@ def daemon(prepared_state_dir: Path) -> Iterator[CgDaemon]:
     )
     argv = [str(REPO / "tests" / "cgroup_daemon.py"), str(tree.mount), OWN, "--", "serve",
             "--config", str(cfg)]
-    with launch(CgDaemon, root, argv, MEMORY_PRESSURE_WATCH=str(fifo)) as d:
+    with launch(CgDaemon, root, argv, env={"MEMORY_PRESSURE_WATCH": str(fifo)}) as d:
         d.tree, d.fifo, d.journal = tree, fifo, root / "journal.sqlite3"
         yield d
 

@@ -1,16 +1,15 @@
 """End to end: `python -m edge_agent serve` as a subprocess with the real default model.
 
-Recipe (STYLE.md): short temp dir under /tmp, NOTIFY_SOCKET bound to a datagram socket the test
-owns, block until READY=1 (no sleeps), drive the API over the Unix socket, SIGTERM last, kill in
-`finally`. One daemon per module; tests run in file order and leave it idle for the next one.
+Recipe (STYLE.md, launcher in tests/daemon_proc.py): short temp dir under /tmp, NOTIFY_SOCKET
+bound to a datagram socket the test owns, block until READY=1 (no sleeps), drive the API over the
+Unix socket, SIGTERM last, kill in `finally`. One daemon per module; tests run in file order and
+leave it idle for the next one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -21,94 +20,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-
-from edge_agent.client import UnixHTTPConnection
+from daemon_proc import REPO, Daemon, launch, serve_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[1]
 QUEUE_MAX = 6
 MAX_BATCH = 4
 CONTEXT = 512
 MAX_BODY = 64 * 1024
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-class Daemon:
-    def __init__(self, root: Path, proc: subprocess.Popen[bytes], notify: socket.socket,
-                 log: Path) -> None:
-        self.root = root
-        self.sock = root / "ea.sock"
-        self.proc = proc
-        self.notify = notify
-        self.log = log
-        self.messages: list[str] = []
-        self.changed = threading.Condition()
-        # Like systemd, read every notification as it comes (an unread queue would fill up).
-        self.reader = threading.Thread(target=self._read_notify, daemon=True)
-        self.reader.start()
-
-    def _read_notify(self) -> None:
-        while True:
-            try:
-                msg = self.notify.recv(4096).decode()
-            except OSError:
-                return
-            with self.changed:
-                self.messages.append(msg)
-                self.changed.notify_all()
-
-    def wait_notify(self, key: str, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        with self.changed:
-            while time.monotonic() < end:
-                for m in self.messages:
-                    if key in m.split("\n"):
-                        return m
-                if self.proc.poll() is not None:
-                    pytest.fail(f"daemon exited {self.proc.returncode} before {key}: "
-                                f"{self.log.read_text()[-3000:]}")
-                self.changed.wait(min(1.0, max(0.01, end - time.monotonic())))
-        pytest.fail(f"no {key} within {timeout} s: {self.log.read_text()[-3000:]}")
-
-    def call(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        conn = UnixHTTPConnection(str(self.sock))
-        try:
-            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-            hdrs = {"Content-Type": "application/json", **(headers or {})}
-            conn.request(method, path, body=data, headers=hdrs)
-            resp = conn.getresponse()
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-        finally:
-            conn.close()
-
-    def json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        status, _, data = self.call(method, path, body)
-        return status, json.loads(data)
-
-    def health(self) -> dict[str, Any]:
-        return self.json("GET", "/health")[1]
-
-    def wait_quiet(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Poll /health until nothing runs or waits and every KV block is free."""
-        end = time.monotonic() + timeout
-        while True:
-            h = self.health()
-            m = h["models"]["smollm2"]
-            if (h["queue"]["depth"] == 0 and m["active"] == 0
-                    and m["free_blocks"] == m["total_blocks"]):
-                return h
-            if time.monotonic() > end:
-                pytest.fail(f"daemon not quiet after {timeout} s: {json.dumps(h)[:2000]}")
-            time.sleep(0.05)
-
-
-D = TypeVar("D", bound=Daemon)
 
 
 def sse_events(data: bytes) -> list[str]:
@@ -147,35 +71,8 @@ def daemon(prepared_state_dir: Path) -> Iterator[Daemon]:
         f"[runtime]\nmlock = \"best-effort\"\nthreads = 1\n"
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\npreload = true\n"
     )
-    with launch(Daemon, root, ["-m", "edge_agent", "serve", "--config", str(cfg)],
-                WATCHDOG_USEC="1000000") as d:
+    with launch(Daemon, root, serve_argv(cfg), env={"WATCHDOG_USEC": "1000000"}) as d:
         yield d
-
-
-@contextlib.contextmanager
-def launch(cls: type[D], root: Path, argv: list[str], **env_extra: str) -> Iterator[D]:
-    """Run `python ARGV` with a NOTIFY_SOCKET this test owns, wait for READY=1, and always
-    kill it, close the socket and remove `root` afterwards."""
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1", **env_extra)
-    log = root / "daemon.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=fh,
-                                stderr=fh)
-    d = cls(root, proc, notify, log)
-    try:
-        d.wait_notify("READY=1", 180)
-        yield d
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        notify.shutdown(socket.SHUT_RDWR)
-        notify.close()
-        d.reader.join(5)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_health_models_and_socket_mode(daemon: Daemon) -> None:

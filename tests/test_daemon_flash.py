@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -18,34 +16,30 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import firmware
 import pytest
-
-from edge_agent.client import UnixHTTPConnection
+from daemon_proc import REPO, Daemon, launch, serve_argv
 
 pytestmark = [pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[1]
+
+def sim_port(root: Path, board: str) -> str:
+    """A simulated F405 whose flash is the file ROOT/BOARD.bin."""
+    return f"stm32sim://?chip=f405&state={root / f'{board}.bin'}"
 
 
-class FlashDaemon:
-    def __init__(self, root: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.root, self.proc, self.log = root, proc, log
-        self.sock = root / "ea.sock"
-        self.owned = f"stm32sim://?chip=f405&state={root / 'owned.bin'}"
-        self.other = f"stm32sim://?chip=f405&state={root / 'other.bin'}"
+class FlashDaemon(Daemon):
+    """The daemon owning `owned` (flash in ROOT/owned.bin); `other` is a board it does not
+    own."""
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        conn = UnixHTTPConnection(str(self.sock))
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
+    @property
+    def owned(self) -> str:
+        return sim_port(self.root, "owned")
+
+    @property
+    def other(self) -> str:
+        return sim_port(self.root, "other")
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
@@ -62,44 +56,23 @@ def fw(tmp_path_factory: pytest.TempPathFactory) -> firmware.FirmwareBuilder:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[FlashDaemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-fl-", dir="/tmp"))
-    owned = f"stm32sim://?chip=f405&state={root / 'owned.bin'}"
+    owned = sim_port(root, "owned")
     (root / "config.toml").write_text(
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
         f'[flash]\nports = "{owned}"\n'
     )
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    notify.settimeout(60)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
-    log = root / "daemon.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                                 str(root / "config.toml")], cwd=REPO, env=env, stdout=fh,
-                                stderr=fh)
-    try:
-        while b"READY=1" not in notify.recv(4096).split(b"\n"):
-            pass
-        yield FlashDaemon(root, proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        notify.close()
-        shutil.rmtree(root, ignore_errors=True)
+    with launch(FlashDaemon, root, serve_argv(root / "config.toml"), ready_timeout=60,
+                grace=30) as d:
+        yield d
 
 
 def test_ports_the_daemon_owns(daemon: FlashDaemon) -> None:
-    status, info = daemon.call("GET", "/v1/flash/ports")
+    status, info = daemon.json("GET", "/v1/flash/ports")
     assert status == 200 and info["ports"] == [daemon.owned]
     # identity ignores the simulator's fault knobs: same board file, same port
-    status, info = daemon.call("GET", "/v1/flash/ports?port=" + _q(daemon.owned + "&nack=0x31"))
+    status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.owned + "&nack=0x31"))
     assert info["owned"] is True
-    status, info = daemon.call("GET", "/v1/flash/ports?port=" + _q(daemon.other))
+    status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.other))
     assert info["owned"] is False
 
 
@@ -114,7 +87,7 @@ def test_cli_hands_the_job_to_the_daemon_which_journals_it(
     assert out["elf"] == str(elf) and out["went"] is True
     assert out["bytes_verified"] >= out["size"] > 0
     assert "handed to it" in r.stderr
-    status, job = daemon.call("GET", f"/v1/flash/{out['daemon_job']}")
+    status, job = daemon.json("GET", f"/v1/flash/{out['daemon_job']}")
     assert status == 200 and job["state"] == "done"
     assert job["progress"]["done"] == job["progress"]["total"] > 0
     # the simulator's flash (its state file) holds exactly the objcopy image
@@ -179,20 +152,20 @@ def test_bad_flash_requests(daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -
          "invalid_request", "absolute"),
     ]
     for body, status, code, text in cases:
-        got, r = daemon.call("POST", "/v1/flash", body)
+        got, r = daemon.json("POST", "/v1/flash", body)
         assert (got, r["error"]["code"]) == (status, code), (body, r)
         assert text in r["error"]["message"] and "Hint:" in r["error"]["message"], r
-    status, r = daemon.call("GET", "/v1/flash/flash-999")
+    status, r = daemon.json("GET", "/v1/flash/flash-999")
     assert status == 404 and r["error"]["code"] == "flash_job_not_found"
     # an ELF the checks reject fails the job with the checker's reason
     bad = base64.b64encode(b"not an elf at all").decode()
-    status, job = daemon.call("POST", "/v1/flash", {**good, "elf_base64": bad})
+    status, job = daemon.json("POST", "/v1/flash", {**good, "elf_base64": bad})
     assert status == 202
     end = time.monotonic() + 30
     while job["state"] not in ("done", "failed"):
         assert time.monotonic() < end
         time.sleep(0.05)
-        job = daemon.call("GET", f"/v1/flash/{job['id']}")[1]
+        job = daemon.json("GET", f"/v1/flash/{job['id']}")[1]
     assert job["state"] == "failed" and "ELF" in job["error"]["message"]
 
 

@@ -13,25 +13,20 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import serial
+from daemon_proc import Daemon, launch, serve_argv
 
-from edge_agent.client import UnixHTTPConnection
 from edge_agent.protocol import frames as fr
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
 
 
@@ -95,40 +90,20 @@ class Pty:
         self.demux = fr.PortDemux()
 
 
-@dataclass
-class Served:
-    root: Path
-    proc: subprocess.Popen[bytes]
+class Served(Daemon):
+    """The daemon with its pty (`pty`) and, with socat, the pty pair standing for a USB
+    adapter (`socat_link` is the daemon's port, `socat_peer` the far end)."""
+
     pty: Pty
-    log: Path
     socat_link: Path | None
     socat_peer: Path | None
     socat: subprocess.Popen[bytes] | None
 
-    def http(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        conn = UnixHTTPConnection(str(self.root / "ea.sock"))
-        try:
-            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
-
     def completion(self, prompt: str, max_tokens: int) -> str:
-        status, r = self.http("POST", "/v1/completions",
+        status, r = self.json("POST", "/v1/completions",
                               {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
         assert status == 200, r
         return str(r["choices"][0]["text"])
-
-    def wait_quiet(self) -> None:
-        end = time.monotonic() + 30
-        while True:
-            _, h = self.http("GET", "/health")
-            if h["queue"]["depth"] == 0 and h["models"]["smollm2"]["active"] == 0:
-                return
-            assert time.monotonic() < end, h
-            time.sleep(0.05)
 
 
 def start_socat(a: Path, b: Path) -> subprocess.Popen[bytes]:
@@ -148,51 +123,32 @@ def served(prepared_state_dir: Path) -> Iterator[Served]:
     slave_path = os.ttyname(slave)
     os.close(slave)
     socat = link = peer = None
-    ports = [slave_path]
-    if shutil.which("socat"):
-        link, peer = root / "ttyUSB", root / "ttyPeer"
-        socat = start_socat(link, peer)
-        ports.append(str(link))
-    cfg = root / "config.toml"
-    cfg.write_text(
-        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
-        "drain_timeout_s = 5\n"
-        '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
-        "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
-        f'[serial]\nport = "{",".join(ports)}"\nbaudrate = 115200\nmax_line = 256\n'
-    )
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    notify.settimeout(1.0)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
-    log = root / "daemon.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                                 str(cfg)], cwd=REPO, env=env, stdout=fh, stderr=fh)
-    s = Served(root, proc, Pty(master), log, link, peer, socat)
+    s: Served | None = None
     try:
-        end = time.monotonic() + 150
-        while True:
-            try:
-                if b"READY=1" in notify.recv(4096).split(b"\n"):
-                    break
-            except TimeoutError:
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < end, log.read_text()[-3000:]
-        yield s
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, log.read_text()[-3000:]
-        assert "stopped" in log.read_text()
+        ports = [slave_path]
+        if shutil.which("socat"):
+            link, peer = root / "ttyUSB", root / "ttyPeer"
+            socat = start_socat(link, peer)
+            ports.append(str(link))
+        cfg = root / "config.toml"
+        cfg.write_text(
+            f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
+            "drain_timeout_s = 5\n"
+            '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
+            "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
+            f'[serial]\nport = "{",".join(ports)}"\nbaudrate = 115200\nmax_line = 256\n'
+        )
+        with launch(Served, root, serve_argv(cfg), ready_timeout=150) as s:
+            s.pty, s.socat_link, s.socat_peer, s.socat = Pty(master), link, peer, socat
+            yield s
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(30) == 0, s.log_tail()
+            assert "stopped" in s.log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if s.socat is not None and s.socat.poll() is None:
-            s.socat.kill()
-            s.socat.wait()
-        notify.close()
+        for p in (socat, None if s is None else s.socat):  # replugged: s.socat is a new one
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
         os.close(master)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -222,7 +178,7 @@ def test_console_session_prompt_gen_ctrl_c_chat(served: Served) -> None:
     pty.send(b"\x03")
     out = pty.expect(b"edge> ", timeout=30)
     assert b"[cancelled]" in out
-    served.wait_quiet()
+    served.wait_quiet(free_blocks=False)
     # chat: each line a user turn until /exit
     pty.send(b"chat\r")
     pty.expect(b"you> ")
@@ -307,5 +263,5 @@ def test_port_disappears_and_comes_back(served: Served) -> None:
         assert time.monotonic() < end, served.log.read_text()[-2000:]
     log = served.log.read_text()
     assert "link lost" in log and "reopened" in log
-    _, h = served.http("GET", "/health")
+    _, h = served.json("GET", "/health")
     assert h["status"] == "serving"
