@@ -5,6 +5,8 @@ ended (cancel/expiry) before its runner reported is counted once in the metrics.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +68,16 @@ def test_request_ended_before_its_result_is_counted_once(tmp_path: Path) -> None
         assert d.scheduler.get(rec.id).state is JobState.CANCELLED
 
     asyncio.run(go())
+
+
+def test_state_dir_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    """`serve --state-dir FILE`: exit 78 with the key, the path and a hint, not a traceback."""
+    afile = tmp_path / "not-a-dir"
+    afile.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "edge_agent", "serve", "--state-dir", str(afile),
+                        "--socket", str(tmp_path / "s.sock")],
+                       capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 78, r.stderr
+    assert f"server.state_dir {afile}: cannot create the state directory" in r.stderr
+    assert "Hint:" in r.stderr and "Traceback" not in r.stderr

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_daemon_e2e import Daemon
+from daemon_proc import Daemon, daemon_env, serve_argv, spawn, stop
 
 from edge_agent.paths import default_model_path
 
@@ -47,36 +47,13 @@ def _group() -> str:
     return grp.getgrgid(os.getgid()).gr_name
 
 
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(NOTIFY_SOCKET=str(root / "notify.sock"), PYTHONUNBUFFERED="1")
-    return env
-
-
-def _start(root: Path, config: str, **popen: object) -> Daemon:
+def _start(root: Path, config: str, argv: list[str] | None = None, **popen: object) -> Daemon:
     (root / "config.toml").write_text(config)
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(root / "notify.sock"))
-    log = root / "daemon.log"
-    args = popen.pop("args", [sys.executable, "-m", "edge_agent", "serve", "--config",
-                              str(root / "config.toml")])
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(args, cwd=REPO, env=popen.pop("env", _env(root)), stdout=fh,
-                                stderr=fh, **popen)  # type: ignore[call-overload]
-    return Daemon(root, proc, notify, log)
+    return spawn(Daemon, root, argv or serve_argv(root / "config.toml"), **popen)
 
 
 def _stop(d: Daemon) -> None:
-    if d.proc.poll() is None:
-        d.proc.terminate()
-        try:
-            d.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait(10)
-    d.notify.shutdown(socket.SHUT_RDWR)
-    d.notify.close()
-    d.reader.join(5)
+    stop(d, grace=30)
     shutil.rmtree(d.root, ignore_errors=True)
 
 
@@ -205,12 +182,12 @@ def test_socket_activation_and_health_503_while_loading(tmp_path: Path) -> None:
     config = (f'[server]\nsocket = "{root / "unused.sock"}"\nstate_dir = "{root / "state"}"\n'
               f"[journal]\nenabled = false\n[runtime]\nthreads = 1\n"
               f"[models.smollm2]\ncontext = 256\nmax_batch = 1\npreload = true\n")
-    env = {**_env(root), "LISTEN_FDS": "1"}
+    env = daemon_env(root, {"LISTEN_FDS": "1"})
     script = ('os.dup2(int(sys.argv[1]), 3); os.environ["LISTEN_PID"] = str(os.getpid()); '
               'os.execv(sys.executable, [sys.executable, "-m", "edge_agent", *sys.argv[2:]])')
-    args = [sys.executable, "-c", f"import os, sys; {script}", str(listener.fileno()),
+    argv = ["-c", f"import os, sys; {script}", str(listener.fileno()),
             "serve", "--config", str(root / "config.toml")]
-    d = _start(root, config, args=args, env=env, pass_fds=(listener.fileno(),))
+    d = _start(root, config, argv, env=env, pass_fds=(listener.fileno(),))
     listener.close()
     d.sock = path  # talk over the activated socket
     try:

@@ -39,7 +39,7 @@ from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import close_uarts, start_uarts
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import ConfigError, EdgeAgentError
 from edge_agent.protocol.api import ApiError, GenerationRequest
 from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler, SchedulerConfig
 from edge_agent.transports.http import HttpServer
@@ -240,7 +240,13 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_exit)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"server.state_dir {self.state_dir}: cannot create the state directory "
+                f"({exc.strerror or exc}). Hint: point --state-dir (or server.state_dir) at a "
+                "directory this user may write, e.g. /var/lib/edge-agent.") from exc
         self.memory.start(loop)  # before any runner: into supervisor/, PSI watched
         if self.journal.open() is not None:
             resumed = self.journal.resume()
