@@ -27,7 +27,17 @@ def _requests(tokenizer):
     return [(tokenizer.encode(t), p) for t, p in zip(texts, params, strict=True)]
 
 
-def test_batched_decode_equals_one_at_a_time(engine, tokenizer):
+@pytest.fixture()
+def pinned_engine(prepared_state_dir):
+    """The engine the runner serves with: weights are views of the mapped prepared file."""
+    e = Engine.load(state_dir=prepared_state_dir, mlock="off", max_batch=4, context=128)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("which", ["engine", "pinned_engine"])
+def test_batched_decode_equals_one_at_a_time(which, request, tokenizer):
+    engine = request.getfixturevalue(which)
     requests = _requests(tokenizer)
     assert len({len(ids) for ids, _ in requests}) > 1  # ragged prompt lengths
     alone = []

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from edge_agent.errors import EdgeAgentError, UsageError
-from edge_agent.runtime.sampling import SamplingParams, SamplingParamsError, rng_for, sample
+from edge_agent.runtime.sampling import (
+    SamplingParams,
+    SamplingParamsError,
+    rng_for,
+    sample,
+    sample_rows,
+)
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], dtype=np.float32))  # softmax = these
 
@@ -110,3 +116,29 @@ def test_non_finite_logits_are_an_error():
         sample(bad, SamplingParams(), 0)
     with pytest.raises(EdgeAgentError, match="non-finite logits"):
         sample(np.full(3, np.inf, np.float32), SamplingParams(temperature=1.0), 0)
+
+
+def test_sample_rows_equals_sample_row_by_row():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 1000)).astype(np.float32) * 3  # (B, V)
+    logits[2, [10, 20]] = logits[2].max() + 1  # a tie: lowest id wins
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=9),
+              SamplingParams(), SamplingParams(temperature=1.1, top_p=0.9, seed=4),
+              SamplingParams(temperature=0.5, seed=2**64 - 1), SamplingParams()]
+    positions = [0, 3, 7, 1, 12, 2]
+    got = sample_rows(logits, params, positions)
+    assert got == [sample(logits[i], p, n) for i, (p, n) in enumerate(zip(params, positions,
+                                                                          strict=True))]
+    assert got[2] == 10
+    greedy = [SamplingParams()] * 6
+    assert sample_rows(logits, greedy, [0] * 6) == list(np.argmax(logits, axis=1))
+
+
+def test_sample_rows_refuses_non_finite_logits_in_any_row():
+    logits = np.zeros((3, 4), dtype=np.float32)
+    logits[1, 2] = np.nan
+    with pytest.raises(EdgeAgentError, match=r"non-finite logits \(max nan\) over 4 tokens.*Hint:"):
+        sample_rows(logits, [SamplingParams()] * 3, [0, 0, 0])
+    logits[1, 2] = np.inf
+    with pytest.raises(EdgeAgentError, match=r"non-finite logits \(max inf\)"):
+        sample_rows(logits, [SamplingParams(), SamplingParams(), SamplingParams()], [0, 1, 2])

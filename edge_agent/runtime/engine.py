@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from edge_agent.errors import EdgeAgentError
 from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
 from edge_agent.runtime.model import Llama, ModelConfig
-from edge_agent.runtime.sampling import SamplingParams, sample
+from edge_agent.runtime.sampling import SamplingParams, sample, sample_rows
 
 if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
@@ -257,11 +257,12 @@ class Engine:
         with self._limits():
             logits = self.model.decode([q.last for q in seqs], [q.table for q in seqs],
                                        self.pool)  # (B, V)
+        tokens = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
         out: dict[str, int] = {}
-        for row, (seq_id, q) in enumerate(zip(seq_ids, seqs, strict=True)):
-            q.last = sample(logits[row], q.params, q.generated)
+        for seq_id, q, token in zip(seq_ids, seqs, tokens, strict=True):
+            q.last = token
             q.generated += 1
-            out[seq_id] = q.last
+            out[seq_id] = token
         return out
 
     def release(self, seq_id: str) -> None:

@@ -8,7 +8,8 @@ Invariants this module owns:
 - Weights are used as given (zero-copy views of the pinned file are fine); nothing here copies
   or rewrites a weight. float16 weights are widened per matmul (slower, half the memory).
   Batched decode may hand BLAS a weight in row slabs (views) to reach OpenBLAS's unpacked
-  small-matrix kernel (see `_mm`); each output is still one dot product over the full width.
+  small-matrix kernel (edge_agent.runtime.matmul); each output is still one dot product over
+  the full width.
 - GGUF stores the Q and K projection rows of each head permuted for llama.cpp's "normal" RoPE
   (pair (2i, 2i+1) holds HF's (i, i + HD/2)). Instead of un-permuting (a copy), RoPE here rotates
   adjacent pairs with the matching angle, which gives exactly the HF/transformers result: the
@@ -32,6 +33,9 @@ import numpy as np
 
 from edge_agent.errors import ModelFileError
 from edge_agent.runtime.kvcache import BlockPool, BlockTable
+from edge_agent.runtime.matmul import as_f32 as _vec
+from edge_agent.runtime.matmul import blas_has_small_kernel
+from edge_agent.runtime.matmul import matmul_wt as _mm
 
 __all__ = [
     "ModelConfig", "Llama", "SUPPORTED_ARCHITECTURES", "PREFILL_CHUNK",
@@ -153,62 +157,6 @@ class _Layer:
     w_down: np.ndarray  # (D, F)
 
 
-# OpenBLAS's SkylakeX-family kernels (x86-64 with AVX-512) multiply without packing their
-# operands when M*N*K <= 100**3 and, for the "TN" case that `w @ x.T` maps to, M*N <= 1200
-# (kernel/x86_64/sgemm_small_kernel_permit_skylakex.c). Packing rereads and rewrites the whole
-# weight on every call, which dominates at small batch: slicing the weight's rows into slabs
-# that qualify measured 1.3-2x faster at N = 4..12, ~10 % at 16-24, and no gain at 32. Other
-# kernels (Haswell, ARM) have no such path, so there the weight goes to BLAS in one call.
-_SMALL_MNK = 100**3
-_SMALL_MN = 1200
-_SLAB_MAX_N = 24
-_SLAB_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
-
-
-def blas_has_small_kernel() -> bool:
-    """True if numpy's BLAS is OpenBLAS running a kernel with the unpacked small-matrix path.
-
-    Reads threadpoolctl's view (which follows OPENBLAS_CORETYPE); False when unknown.
-    """
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return False
-    for info in threadpool_info():
-        if info.get("user_api") == "blas":
-            arch = str(info.get("architecture") or "").lower()
-            return info.get("internal_api") == "openblas" and arch in _SLAB_KERNELS
-    return False
-
-
-def _mm(x: np.ndarray, w: np.ndarray, *, slabs: bool = False) -> np.ndarray:
-    """x (N, in) @ w.T where w is (out, in); float16 weights are widened for this call.
-
-    Computed as (w @ x.T).T: OpenBLAS's kernels are ~30 % faster this way round for the small
-    N of batched decode than x @ w.T; the result is a transposed view, which the caller's next
-    reshape copies at negligible cost. With `slabs` and 2 <= N <= 24 the weight is taken in row
-    slabs (views, no copy) sized for OpenBLAS's unpacked small-matrix kernel; N = 1 is a
-    matrix-vector product and larger N (prefill) amortise the packing: one call each.
-    """
-    if w.dtype != np.float32:
-        w = w.astype(np.float32)
-    n = x.shape[0]
-    n_out, n_in = w.shape
-    if slabs and 2 <= n <= _SLAB_MAX_N:
-        rows = min(_SMALL_MNK // (n * n_in), _SMALL_MN // n) // 8 * 8
-        if 8 <= rows < n_out:
-            xt = np.ascontiguousarray(x).T  # (in, N), column-major: BLAS "T" operand
-            out = np.empty((n_out, n), dtype=np.float32)  # (out, N)
-            for lo in range(0, n_out, rows):
-                np.matmul(w[lo : lo + rows], xt, out=out[lo : lo + rows])
-            return out.T  # (N, out)
-    return (w @ x.T).T  # (N, out)
-
-
-def _vec(w: np.ndarray) -> np.ndarray:
-    return w if w.dtype == np.float32 else w.astype(np.float32)
-
-
 class Llama:
     """The forward pass. `forward` runs B sequences × T new tokens each against the KV pool."""
 
@@ -237,24 +185,11 @@ class Llama:
                 )
         self.config = config
         self.tied = tied
-        self.slabs = blas_has_small_kernel()  # see _mm
+        self.slabs = blas_has_small_kernel()  # see edge_agent.runtime.matmul
         self.token_embd = tensors["token_embd.weight"]  # (V, D)
         self.output = tensors["token_embd.weight" if tied else "output.weight"]  # (V, D)
         self.output_norm = _vec(tensors["output_norm.weight"])  # (D,)
-        self.layers = [
-            _Layer(
-                attn_norm=_vec(tensors[f"blk.{i}.attn_norm.weight"]),
-                wq=tensors[f"blk.{i}.attn_q.weight"],
-                wk=tensors[f"blk.{i}.attn_k.weight"],
-                wv=tensors[f"blk.{i}.attn_v.weight"],
-                wo=tensors[f"blk.{i}.attn_output.weight"],
-                ffn_norm=_vec(tensors[f"blk.{i}.ffn_norm.weight"]),
-                w_gate=tensors[f"blk.{i}.ffn_gate.weight"],
-                w_up=tensors[f"blk.{i}.ffn_up.weight"],
-                w_down=tensors[f"blk.{i}.ffn_down.weight"],
-            )
-            for i in range(config.n_layers)
-        ]
+        self.layers = [self._layer(tensors, i) for i in range(config.n_layers)]
         # RoPE angles as transformers computes them (float32 throughout).
         half = config.head_dim // 2
         exponent = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
@@ -265,6 +200,17 @@ class Llama:
         rot.real = np.cos(angles).astype(np.float32)
         rot.imag = np.sin(angles).astype(np.float32)
         self._rot = rot
+
+    @staticmethod
+    def _layer(tensors: Mapping[str, np.ndarray], i: int) -> _Layer:
+        def w(name: str) -> np.ndarray:
+            return tensors[f"blk.{i}.{name}.weight"]
+
+        return _Layer(
+            attn_norm=_vec(w("attn_norm")), wq=w("attn_q"), wk=w("attn_k"), wv=w("attn_v"),
+            wo=w("attn_output"), ffn_norm=_vec(w("ffn_norm")), w_gate=w("ffn_gate"),
+            w_up=w("ffn_up"), w_down=w("ffn_down"),
+        )
 
     def new_pool(self, n_blocks: int) -> BlockPool:
         c = self.config
@@ -341,9 +287,10 @@ class Llama:
             h = self._rmsnorm(x, layer.attn_norm)  # (N, D)
             q = np.ascontiguousarray(_mm(h, layer.wq, slabs=sl))  # (N, H*HD)
             k = np.ascontiguousarray(_mm(h, layer.wk, slabs=sl))  # (N, KVH*HD)
+            v = _mm(h, layer.wv, slabs=sl)  # (N, KVH*HD)
             q = self._rope(q.reshape(-1, c.n_heads, hd), rot)  # (N, H, HD)
             k = self._rope(k.reshape(-1, kvh, hd), rot)  # (N, KVH, HD)
-            v = _mm(h, layer.wv, slabs=sl).reshape(-1, kvh, hd)  # (N, KVH, HD)
+            v = v.reshape(-1, kvh, hd)  # (N, KVH, HD)
             pool.k[li, blk, off] = k
             pool.v[li, blk, off] = v
             keys = pool.k[li][ids].reshape(b, n_keys, kvh, hd)  # (B, L, KVH, HD)
@@ -366,13 +313,14 @@ class Llama:
             x += _mm(att, layer.wo, slabs=sl)  # (N, D)
             h = self._rmsnorm(x, layer.ffn_norm)  # (N, D)
             gate = _mm(h, layer.w_gate, slabs=sl)  # (N, F)
+            up = _mm(h, layer.w_up, slabs=sl)  # (N, F)
             # silu(gate) * up, as gate / (1 + exp(-gate)) * up, in one buffer
             ffn = np.negative(gate)  # (N, F)
             with np.errstate(over="ignore"):  # exp overflow -> inf -> silu == -0.0, as wanted
                 np.exp(ffn, out=ffn)
             ffn += np.float32(1.0)
             np.divide(gate, ffn, out=ffn)
-            ffn *= _mm(h, layer.w_up, slabs=sl)
+            ffn *= up
             x += _mm(ffn, layer.w_down, slabs=sl)  # (N, D)
 
         for tab in tables:

@@ -10,18 +10,22 @@ Invariants this module owns:
 - temperature 0 is greedy (argmax, lowest id on ties) and draws no random number.
 - Candidates are ordered by (logit descending, id ascending) before top-k / top-p, so ties break
   the same way everywhere.
+- `sample_rows` gives, row by row, exactly what `sample` gives (greedy rows share one argmax
+  call over the batch; the others go through `sample`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edge_agent.errors import EdgeAgentError, UsageError
 
-__all__ = ["SamplingParams", "SamplingParamsError", "sample", "rng_for", "MAX_SEED"]
+__all__ = ["SamplingParams", "SamplingParamsError", "sample", "sample_rows", "rng_for",
+           "MAX_SEED"]
 
 MAX_SEED = 2**64 - 1
 
@@ -113,3 +117,22 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     u = rng_for(params.seed, position).random() * cdf[-1]
     choice = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
     return int(order[choice])
+
+
+def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams],
+                positions: Sequence[int]) -> list[int]:
+    """One token per row of `logits` (B, V): row i with params[i] at positions[i]."""
+    out = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]  # (G, V)
+        best = np.argmax(rows, axis=1)  # (G,)
+        top = rows[np.arange(len(greedy)), best]  # (G,)
+        if not np.isfinite(top).all():
+            _check_finite(logits, float(top[~np.isfinite(top)][0]))
+        for i, b in zip(greedy, best.tolist(), strict=True):
+            out[i] = b
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample(logits[i], p, positions[i])
+    return out
