@@ -229,8 +229,11 @@ def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any]) -
         im_end, *tok.encode("\n")]
     assert _journal_row(root, "SELECT session FROM requests WHERE id = ?", (r2["id"],))[0] == (
         "chat-1")
+    pending = "SELECT session_pending FROM requests WHERE id = ?"
+    assert _journal_row(root, pending, (r2["id"],))[0] == 0  # saved with its session
     # a crash between the step that finished turn 2 and the session save: the next start
-    # puts the turn back (simulated by rolling the session back to turn 1)
+    # puts the turn back (simulated by rolling the session back to turn 1; the step that
+    # finished turn 2 had marked it pending, the save that clears the mark did not happen)
     full = sessions_history(journal, "chat-1")
     raw = sqlite3.connect(journal)
     from edge_agent.journal.store import pack_ids
@@ -238,11 +241,16 @@ def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any]) -
     with raw:
         raw.execute("UPDATE sessions SET history = ?, updated_at = 0 WHERE id = 'chat-1'",
                     (pack_ids(history),))
+        raw.execute("UPDATE requests SET session_pending = 1 WHERE id = ?", (r2["id"],))
     raw.close()
     kill(start(root))
     assert sessions_history(journal, "chat-1") == full
-    assert "journal: session chat-1: turn " + r2["id"] + " restored" in (
-        root / "daemon.log").read_text()
+    restored = "journal: session chat-1: turn " + r2["id"] + " restored"
+    assert (root / "daemon.log").read_text().count(restored) == 1
+    assert _journal_row(root, pending, (r2["id"],))[0] == 0
+    kill(start(root))  # put back once: the next start has nothing pending
+    assert (root / "daemon.log").read_text().count(restored) == 1
+    assert sessions_history(journal, "chat-1") == full
 
 
 def test_warm_start_takes_the_tokenizer_from_the_journal(root: Path,
@@ -293,3 +301,49 @@ def test_warm_start_takes_the_tokenizer_from_the_journal(root: Path,
         assert d.health()["models"]["tiny"]["tokenizer_from"] == "gguf"
     finally:
         kill(d)
+
+
+def test_start_reads_only_open_work_and_prunes_after_ready(root: Path,
+                                                            shared: dict[str, Any]) -> None:
+    """Finished requests beyond `max_finished` are pruned after READY (in batches, reported
+    in /health), not before; the start path reports its steps."""
+    from edge_agent.daemon.durable import PRUNE_BATCH
+
+    write_config(root, shared["state"], {"tiny": (shared["tiny"], True)}, context=CONTEXT)
+    text = (root / "config.toml").read_text().replace(
+        'ack = "durable"\n', 'ack = "durable"\nmax_finished = 10\n')
+    (root / "config.toml").write_text(text)
+    journal = root / "journal.sqlite3"
+    store = JournalStore(open_journal(journal))
+    n = PRUNE_BATCH + 50  # more than one batch
+    t0 = time.time() - 1000.0  # recent: max_age_s (a week) prunes none of them
+    for i in range(n):
+        rid = f"old-{i}"
+        store.add_request(id=rid, model="tiny", input={"prompt": "x"}, prompt_ids=[1, 2],
+                          params={"seed": i}, session=f"s{i}", now=t0 + i)
+        store.append_tokens([(rid, 0, 5, 1)], finish=[(rid, "done", None, "length")],
+                            now=t0 + i)
+        store.save_session(f"s{i}", "tiny", [1, 2, 5], turn=rid, now=t0 + i)
+    store.close()
+    d = start(root)
+    try:
+        h = d.health()["journal"]
+        assert set(h["start_s"]) == {"open", "check", "warm", "checked_while", "recover",
+                                     "reconcile", "total"}
+        assert h["start_s"]["warm"] > 0  # the preload model's tokenizer, during the check
+        assert h["recovery"]["resumed"] == []
+        deadline = time.monotonic() + 30
+        while h["retention"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            h = d.health()["journal"]
+        assert h["retention"] is not None, "no retention pass after READY"
+        assert h["retention"]["requests"] == n - 10  # the newest 10 finished are kept
+        assert h["retention"]["batches"] >= 3
+    finally:
+        kill(d)
+    assert _journal_row(root, "SELECT count(*) FROM requests WHERE state = 'done'")[0] == 10
+    assert _journal_row(root, "SELECT count(*) FROM tokens WHERE request_id LIKE 'old-%'")[0] == 10
+    assert _journal_row(root, "SELECT count(*) FROM sessions")[0] == n  # sessions stay
+    log = (root / "daemon.log").read_text()
+    pruned = f"journal: retention pruned {n - 10} finished request(s)"
+    assert pruned in log and log.index("ready: models:") < log.index(pruned)  # after READY

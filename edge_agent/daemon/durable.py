@@ -13,7 +13,15 @@ Invariants owned here:
 - A finish outside a step (cancel, deadline, shutdown, runner retries exhausted) is journaled
   at once, in its own transaction.
 - A done turn of a `session` extends the session's history right after the step that finished
-  it is committed; a start re-applies any done turn newer than its session (crash in between).
+  it is committed; a start re-applies every done turn still marked `session_pending` (a crash
+  in between).
+- Start path (before READY) costs O(open requests + pending session turns), plus the
+  integrity check (db.py), which runs in a thread while this one builds the preload models'
+  tokenizers (the journal is query_only meanwhile: nothing is written before the check
+  passes): recovery and the pending-turn query are index lookups; sessions are
+  read on first use, by id; retention (pruning finished requests, old events) runs after READY
+  and then hourly, in short transactions on the event loop thread (still the only writer),
+  yielding between them.
 - Warm start: the records of journaled requests are rebuilt by pushing their journaled tokens
   through a fresh RequestRecord (the same code that produced the text), so text, pieces and the
   detokenizer state equal what they were; a resumed request then continues by prefill: the
@@ -26,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +55,10 @@ from edge_agent.scheduler import Job, JobState, QueueFull
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
-__all__ = ["DaemonJournal", "final_state"]
+__all__ = ["DaemonJournal", "final_state", "PRUNE_BATCH", "RETENTION_INTERVAL_S"]
+
+PRUNE_BATCH = 200  # rows per retention transaction (a few ms: one decode step waits at most that)
+RETENTION_INTERVAL_S = 3600.0  # retention passes after the first one (right after READY)
 
 
 def final_state(rec: RequestRecord) -> str:
@@ -85,27 +97,115 @@ class DaemonJournal:
         self._after: list[RequestRecord] = []  # finished in the open step: sessions to save
         self.steps = 0
         self.write_s = 0.0  # time spent in step/finish transactions (fsync included)
+        # seconds: open, check, warm (preload tokenizers, beside the check), checked_while (the
+        # two side by side), recover, reconcile, total
+        self.start_s: dict[str, float] = {}
+        self.retention: dict[str, Any] | None = None  # the last retention pass
+        self._retention: asyncio.Task[None] | None = None
+        self._warming = False  # in _warm: the journal is query_only
 
     @property
     def enabled(self) -> bool:
         return self.store is not None
 
     def open(self) -> RecoveryPlan | None:
+        """Open (integrity check, migrations) and recover; retention runs later, after READY.
+
+        Must be called from the running event loop (it schedules the retention task)."""
         if not self.cfg.enabled:
             return None
-        self.store = JournalStore(open_journal(self.path, synchronous=self.cfg.sync.upper()))
-        if self.store.journal.quarantined is not None:
-            self.daemon.log(f"warning: {self.store.journal.quarantined.message()}")
+        t0 = time.perf_counter()
+        warmed: list[Any] = []
+        self.store = JournalStore(open_journal(
+            self.path, synchronous=self.cfg.sync.upper(),
+            while_checking=lambda peek: self._warm(peek, warmed)))
+        j = self.store.journal
+        self.start_s.update(open=j.open_seconds - (j.overlap_seconds or j.check_seconds),
+                            check=j.check_seconds, checked_while=j.overlap_seconds)
+        if j.quarantined is not None:
+            self.daemon.log(f"warning: {j.quarantined.message()}")
+            for svc in warmed:  # its cached tokenizer came from the file moved aside
+                svc.tokenizer = None
+        t1 = time.perf_counter()
         self.plan = recover(self.store)
-        self.store.prune(max_age_s=self.cfg.max_age_s, max_finished=self.cfg.max_finished)
+        self.start_s["recover"] = time.perf_counter() - t1
         if self.plan.resume or self.plan.expired:
             self.daemon.log(self.plan.summary())
+        self.start_s["total"] = time.perf_counter() - t0
+        self._retention = asyncio.get_running_loop().create_task(
+            self._retain(), name="journal-retention")
         return self.plan
 
+    def _warm(self, peek: Any, warmed: list[Any]) -> None:
+        """While the integrity check runs (another thread): the preload models' tokenizers,
+        from the journal's cache when it has them. `peek` is query_only, so a cache entry
+        that would need dropping fails here and is dealt with at load; any error is left for
+        the model's load to report."""
+        t0 = time.perf_counter()
+        self.store = JournalStore(peek)  # cached_tokenizer() reads through it
+        self._warming = True
+        try:
+            for svc in self.daemon.services.values():
+                if svc.entry.preload and svc.tokenizer is None:
+                    try:
+                        svc.ensure_tokenizer()
+                    except Exception:  # noqa: BLE001 - the load reports it
+                        continue
+                    warmed.append(svc)
+        finally:
+            self.store = None
+            self._warming = False
+            self.start_s["warm"] = time.perf_counter() - t0
+
     def close(self) -> None:
+        if self._retention is not None:
+            self._retention.cancel()
+            self._retention = None
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    # -- retention, off the start path ------------------------------------------------------------
+    async def _retain(self) -> None:
+        """Once READY, then every RETENTION_INTERVAL_S: prune in short transactions
+        (PRUNE_BATCH rows each), yielding to the event loop between them."""
+        while not self.daemon.ready:
+            await asyncio.sleep(0.2)
+        while self.store is not None:
+            await self.prune_now()
+            await asyncio.sleep(RETENTION_INTERVAL_S)
+
+    async def prune_now(self) -> dict[str, Any]:
+        """One retention pass (batches, yielding between them); its summary, also in /health."""
+        t0 = time.perf_counter()
+        busy = 0.0
+        totals = {"requests": 0, "sessions": 0, "events": 0, "batches": 0}
+        error = None
+        while self.store is not None:
+            t1 = time.perf_counter()
+            try:
+                res = self.store.prune(max_age_s=self.cfg.max_age_s,
+                                       max_finished=self.cfg.max_finished, limit=PRUNE_BATCH)
+            except (JournalError, sqlite3.Error) as exc:
+                error = str(exc)
+                self.daemon.log(f"journal: retention pass failed: {exc}. Hint: check the "
+                                f"journal's file system (free space, dmesg); next pass in "
+                                f"{RETENTION_INTERVAL_S:.0f} s.")
+                break
+            busy += time.perf_counter() - t1
+            totals["requests"] += res.requests
+            totals["sessions"] += res.sessions
+            totals["events"] += res.events
+            totals["batches"] += 1
+            if res.total == 0:
+                break
+            await asyncio.sleep(0)  # decode steps and requests run between batches
+        self.retention = dict(totals, busy_s=round(busy, 6), error=error,
+                              wall_s=round(time.perf_counter() - t0, 6), at=time.time())
+        if totals["requests"] or totals["sessions"]:
+            self.daemon.log(f"journal: retention pruned {totals['requests']} finished "
+                            f"request(s) in {totals['batches']} batch(es), {busy:.3f} s")
+        return self.retention
 
     def health(self) -> dict[str, Any]:
         if self.store is None:
@@ -115,6 +215,8 @@ class DaemonJournal:
             "enabled": True, "path": str(self.path), "synchronous": j.synchronous,
             "ack": self.cfg.ack, "open_s": round(j.open_seconds, 6), "steps": self.steps,
             "write_s": round(self.write_s, 6),
+            "start_s": {k: round(v, 6) for k, v in self.start_s.items()},
+            "retention": self.retention,
             "quarantined": None if j.quarantined is None else j.quarantined.to_dict(),
             "recovery": None if self.plan is None else self.plan.to_dict(),
         }
@@ -193,7 +295,9 @@ class DaemonJournal:
                     or facts.get("size") != st.st_size or facts.get("mtime_ns") != st.st_mtime_ns):
                 return None
             return load_cached_tokenizer(self.store, str(facts["sha256"]))
-        except (OSError, JournalError) as exc:
+        except (OSError, JournalError, sqlite3.Error) as exc:
+            if self._warming and isinstance(exc, sqlite3.Error):
+                raise  # e.g. dropping a bad entry: a write, left to the load (after the check)
             self.daemon.log(f"journal: tokenizer cache of model {name} unusable: {exc}")
             return None
 
@@ -260,17 +364,16 @@ class DaemonJournal:
 
     def _reconcile_sessions(self) -> None:
         """A turn's session history is saved right after the step that finished it commits;
-        a crash between the two leaves a done turn missing from its session: add it back."""
+        a crash between the two leaves a done turn pending (`session_pending`, a partial
+        index: O(pending) however big the journal is): add it back."""
         assert self.store is not None
-        rows = self.store.conn.execute(
-            "SELECT r.id FROM requests r LEFT JOIN sessions s ON s.id = r.session WHERE "
-            "r.session IS NOT NULL AND r.state = 'done' AND (s.updated_at IS NULL OR "
-            "r.finished_at > s.updated_at) ORDER BY r.finished_at, r.rowid").fetchall()
-        for (rid,) in rows:
+        t0 = time.perf_counter()
+        for rid in self.store.pending_turns():
             rec = self.rebuild(rid)
             if rec is not None:
                 self.daemon.sessions.finished(rec, True)
                 self.daemon.log(f"journal: session {rec.request.session}: turn {rid} restored")
+        self.start_s["reconcile"] = time.perf_counter() - t0
 
     def resume(self) -> int:
         """Re-queue what recovery returned; returns how many requests were resumed."""

@@ -12,6 +12,10 @@ Invariants owned here:
   cancelled leaves the history as it was.
 - The history lives in the journal (`sessions` table) when it is enabled, in memory otherwise;
   a session belongs to one model (using it with another is 409 `session_model_mismatch`).
+- Histories are read on use, one primary-key lookup by session id; nothing about sessions is
+  loaded at start, so a start does not slow down with the number of sessions kept.
+- Saving a turn's history and clearing that turn's `session_pending` mark are one transaction,
+  so a start re-applies exactly the done turns whose save did not happen.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Sessions:
             self._memory[sid] = (rec.model, history)
             return
         try:
-            store.save_session(sid, rec.model, history)
+            store.save_session(sid, rec.model, history, turn=rec.id)
         except JournalError as exc:
             self.daemon.log(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
 

@@ -17,6 +17,12 @@ Invariants this module owns:
   flash_jobs / flash_sectors   per-sector state of a flash job (pending, erased, written,
                   verified).
   events          journal-level events (quarantine, recovery) for /health and `status`.
+- Migration 2 (warm start in O(open work)): `requests.session_pending` is 1 while a done turn
+  of a session is not yet in that session's history (set by the transaction that finishes the
+  request as done, cleared by the one that saves the session); partial indexes hold only those
+  rows (`requests_session_pending`) and only the queued/running ones (`requests_open`), so a
+  start finds what to resume and the turns to put back without reading finished requests.
+  Queries must repeat the index's WHERE with literals (a `?` cannot prove it).
 """
 
 from __future__ import annotations
@@ -149,3 +155,20 @@ def initial(db: sqlite_utils.Database) -> None:
         ) WITHOUT ROWID""")
     db["events"].create({"id": int, "at": float, "kind": str, "message": str}, pk="id",
                         not_null={"at", "kind", "message"})
+
+
+@MIGRATIONS(2)
+def warm_start_indexes(db: sqlite_utils.Database) -> None:
+    db.execute("ALTER TABLE requests ADD COLUMN session_pending INTEGER NOT NULL DEFAULT 0")
+    # the turns a start before this migration put back: done, newer than their session's row
+    db.execute("""
+        UPDATE requests SET session_pending = 1 WHERE id IN (
+            SELECT r.id FROM requests r LEFT JOIN sessions s ON s.id = r.session
+            WHERE r.session IS NOT NULL AND r.state = 'done'
+              AND (s.updated_at IS NULL OR r.finished_at > s.updated_at))""")
+    db.execute("CREATE INDEX requests_session_pending ON requests (finished_at) "
+               "WHERE session_pending = 1")
+    # recovery's query; the (state, finished_at) index is not used for it once ANALYZE has
+    # seen that most rows are finished (the planner then scans the whole table)
+    db.execute("CREATE INDEX requests_open ON requests (created_at) "
+               "WHERE state IN ('queued', 'running')")

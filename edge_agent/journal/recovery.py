@@ -9,6 +9,8 @@ Invariants this module owns:
   oldest first, with the tokens journaled so far and the detokenizer offset after the last one
   (so the resumed stream continues on a UTF-8 boundary and the prefill is prompt + tokens).
 - Journaled tokens are returned as they are; recovery never rewrites them.
+- Its cost is O(open requests) (index lookups), never O(journal): finished requests, their
+  tokens and sessions are not read at start.
 - A cached tokenizer whose bytes fail their checksum or do not match the requested fingerprint
   is dropped from the cache and None is returned (the caller rebuilds from GGUF metadata).
 """
@@ -20,13 +22,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.journal.db import QuarantineEvent
-from edge_agent.journal.migrations import FINISHED_STATES
 from edge_agent.journal.store import JournaledRequest, JournalStore
 
 if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
-
-_FIN_SQL = ", ".join(f"'{s}'" for s in FINISHED_STATES)
 
 __all__ = ["Resumable", "RecoveryPlan", "recover", "load_cached_tokenizer", "cache_tokenizer"]
 
@@ -77,30 +76,29 @@ def recover(store: JournalStore, *, now: float | None = None) -> RecoveryPlan:
     """Decide, and journal, what happens to the work that was open when the agent stopped."""
     t0 = time.monotonic()
     now = time.time() if now is None else now
-    open_reqs = store.requests(["queued", "running"])
-    counts = dict(store.conn.execute(
-        f"SELECT t.request_id, max(t.idx) + 1 FROM tokens t JOIN requests r ON r.id = "
-        f"t.request_id WHERE r.state NOT IN ({_FIN_SQL}) GROUP BY t.request_id").fetchall())
+    open_reqs = store.open_requests()  # partial index: O(open), not O(journal)
     expired: list[JournaledRequest] = []
     resume_reqs: list[JournaledRequest] = []
-    with store.journal.transaction() as conn:
-        for req in open_reqs:
-            if req.deadline is not None and req.deadline <= now:
-                n = int(counts.get(req.id, 0))
-                error = (
-                    f"deadline passed while the agent was down: deadline {_fmt(req.deadline)} "
-                    f"was {now - req.deadline:.1f} s before this start ({_fmt(now)}); the "
-                    f"request was {req.state} with {n} token(s) generated. Hint: resubmit it "
-                    "with a longer timeout_ms."
-                )
-                conn.execute("UPDATE requests SET state = 'expired', error = ?, "
-                             "finish_reason = 'deadline', finished_at = ? WHERE id = ?",
-                             (error, now, req.id))
-                expired.append(req)
-            else:
-                if req.state == "running":
-                    conn.execute("UPDATE requests SET state = 'queued' WHERE id = ?", (req.id,))
-                resume_reqs.append(req)
+    if open_reqs:  # nothing open (the usual start): no transaction at all
+        with store.journal.transaction() as conn:
+            for req in open_reqs:
+                if req.deadline is not None and req.deadline <= now:
+                    n = store.token_count(req.id)  # primary key (request_id, idx): O(log n)
+                    error = (
+                        f"deadline passed while the agent was down: deadline "
+                        f"{_fmt(req.deadline)} was {now - req.deadline:.1f} s before this start "
+                        f"({_fmt(now)}); the request was {req.state} with {n} token(s) "
+                        "generated. Hint: resubmit it with a longer timeout_ms."
+                    )
+                    conn.execute("UPDATE requests SET state = 'expired', error = ?, "
+                                 "finish_reason = 'deadline', finished_at = ? WHERE id = ?",
+                                 (error, now, req.id))
+                    expired.append(req)
+                else:
+                    if req.state == "running":
+                        conn.execute("UPDATE requests SET state = 'queued' WHERE id = ?",
+                                     (req.id,))
+                    resume_reqs.append(req)
     resume = []
     for req in resume_reqs:
         toks = store.tokens(req.id)

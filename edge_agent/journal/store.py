@@ -12,6 +12,11 @@ Invariants this module owns:
   refused.
 - A request's state only moves queued -> running -> (queued again on requeue) -> one of
   FINISHED_STATES, after which it never changes.
+- The transaction that finishes a session's request as done marks it `session_pending`;
+  `save_session(..., turn=id)` clears the mark in the transaction that writes the history, so
+  `pending_turns()` is exactly the done turns whose history save did not happen.
+- The warm-start reads (`open_requests`, `pending_turns`) go through partial indexes: their
+  cost follows the open work, not the number of finished requests or sessions kept.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from edge_agent.journal.db import Journal
 from edge_agent.journal.errors import JournalConflictError, JournalError
 from edge_agent.journal.flashjobs import FlashJobs
 from edge_agent.journal.migrations import FINISHED_STATES, REQUEST_STATES
+from edge_agent.journal.retention import PruneResult, Retention
 
 __all__ = ["JournalStore", "JournaledRequest", "Token", "Session", "PruneResult", "pack_ids",
            "unpack_ids"]
@@ -91,14 +97,6 @@ class Session:
     updated_at: float
 
 
-@dataclass(frozen=True)
-class PruneResult:
-    requests: int
-    sessions: int
-    events: int
-    pages_freed: int
-
-
 _REQ_COLS = ("id, session, model, input, prompt_ids, params, priority, deadline, state, "
              "created_at, started_at, finished_at, attempts, finish_reason, error")
 
@@ -108,8 +106,9 @@ def _request(row: Sequence[Any]) -> JournaledRequest:
                             json.loads(row[5]), *row[6:])
 
 
-class JournalStore:
-    """Typed reads and single-transaction writes over an open `Journal`."""
+class JournalStore(Retention):
+    """Typed reads and single-transaction writes over an open `Journal` (retention and size:
+    journal/retention.py)."""
 
     def __init__(self, journal: Journal, *, clock: Any = time.time) -> None:
         self.journal = journal
@@ -167,6 +166,13 @@ class JournalStore:
             args.append(int(limit))
         return [_request(r) for r in self.conn.execute(sql, args)]
 
+    def open_requests(self) -> list[JournaledRequest]:
+        """Queued and running requests, oldest first (partial index `requests_open`: reads
+        only those rows, however many finished requests the journal keeps)."""
+        return [_request(r) for r in self.conn.execute(
+            f"SELECT {_REQ_COLS} FROM requests WHERE state IN ('queued', 'running') "
+            "ORDER BY created_at, rowid")]
+
     def set_running(self, request_ids: Iterable[str], *, now: float | None = None) -> None:
         now = self._clock() if now is None else now
         ids = list(request_ids)
@@ -198,9 +204,10 @@ class JournalStore:
             raise JournalError(f"request {rid}: {state!r} is not a final state "
                                f"({', '.join(FINISHED_STATES)}). Hint: pass one of those.")
         cur = conn.execute(
-            f"UPDATE requests SET state = ?, error = ?, finish_reason = ?, finished_at = ? "
+            f"UPDATE requests SET state = ?, error = ?, finish_reason = ?, finished_at = ?, "
+            f"session_pending = (session IS NOT NULL AND ? = 'done') "
             f"WHERE id = ? AND state NOT IN ({_FIN_SQL})",
-            (state, error, finish_reason, now, rid))
+            (state, error, finish_reason, now, state, rid))
         if cur.rowcount != 1:
             raise self._not_open(rid, f"finish as {state}")
 
@@ -299,10 +306,13 @@ class JournalStore:
     # -- sessions -------------------------------------------------------------------------
 
     def save_session(self, session_id: str, model: str, history: Sequence[int], *,
-                     now: float | None = None) -> None:
-        """Replace the session's token history (the whole conversation so far)."""
+                     turn: str | None = None, now: float | None = None) -> None:
+        """Replace the session's token history (the whole conversation so far); `turn`, the
+        done request this history ends with, is no longer pending (same transaction)."""
         now = self._clock() if now is None else now
         with self.journal.transaction() as conn:
+            if turn is not None:
+                conn.execute("UPDATE requests SET session_pending = 0 WHERE id = ?", (turn,))
             conn.execute(
                 "INSERT INTO sessions (id, model, history, n_tokens, turns, created_at, "
                 "updated_at) VALUES (?, ?, ?, ?, 1, ?, ?) ON CONFLICT(id) DO UPDATE SET "
@@ -319,7 +329,15 @@ class JournalStore:
 
     def delete_session(self, session_id: str) -> bool:
         with self.journal.transaction() as conn:
+            conn.execute("UPDATE requests SET session_pending = 0 WHERE session = ? AND "
+                         "session_pending = 1", (session_id,))
             return conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount > 0
+
+    def pending_turns(self) -> list[str]:
+        """Ids of done session turns not yet saved in their session's history, oldest first
+        (a partial index holds only these rows: cost O(pending), not O(journal))."""
+        return [r[0] for r in self.conn.execute(
+            "SELECT id FROM requests WHERE session_pending = 1 ORDER BY finished_at, rowid")]
 
     # -- tokenizer cache ------------------------------------------------------------------
 
@@ -385,56 +403,6 @@ class JournalStore:
     def events(self, limit: int = 20) -> list[dict[str, Any]]:
         return list(self.journal.db.query(
             "SELECT id, at, kind, message FROM events ORDER BY id DESC LIMIT ?", [limit]))
-
-    # -- retention and size ---------------------------------------------------------------
-
-    def prune(self, *, max_age_s: float | None = None, max_finished: int | None = None,
-              session_max_age_s: float | None = None, max_events: int = 1000,
-              now: float | None = None) -> PruneResult:
-        """Delete finished requests (and their tokens) older than max_age_s or beyond the
-        newest max_finished, idle sessions, old events; give freed pages back to the OS."""
-        now = self._clock() if now is None else now
-        n_req = n_ses = 0
-        with self.journal.transaction() as conn:
-            if max_age_s is not None:
-                n_req += conn.execute(f"DELETE FROM requests WHERE state IN ({_FIN_SQL}) AND "
-                                      "finished_at < ?", (now - max_age_s,)).rowcount
-            if max_finished is not None:
-                n_req += conn.execute(
-                    f"DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE state IN "
-                    f"({_FIN_SQL}) ORDER BY finished_at DESC LIMIT -1 OFFSET ?)",
-                    (int(max_finished),)).rowcount
-            if session_max_age_s is not None:
-                n_ses = conn.execute("DELETE FROM sessions WHERE updated_at < ?",
-                                     (now - session_max_age_s,)).rowcount
-            n_ev = conn.execute("DELETE FROM events WHERE id IN (SELECT id FROM events ORDER BY "
-                                "id DESC LIMIT -1 OFFSET ?)", (int(max_events),)).rowcount
-        free = int(self.journal.pragma("freelist_count"))
-        if free:
-            self.conn.execute("PRAGMA incremental_vacuum").fetchall()
-        return PruneResult(n_req, n_ses, n_ev, free)
-
-    def checkpoint(self) -> tuple[int, int, int]:
-        """Copy the WAL into the main file and truncate it: (busy, wal pages, checkpointed)."""
-        row = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        return int(row[0]), int(row[1]), int(row[2])
-
-    def vacuum(self) -> tuple[int, int]:
-        """Rebuild the file compactly; returns (bytes before, bytes after) of file + WAL."""
-        before = self.file_bytes()
-        self.checkpoint()
-        self.conn.execute("VACUUM")
-        self.checkpoint()
-        return before, self.file_bytes()
-
-    def file_bytes(self) -> int:
-        total = 0
-        for suffix in ("", "-wal"):
-            try:
-                total += os.path.getsize(str(self.journal.path) + suffix)
-            except OSError:
-                pass
-        return total
 
     def stats(self) -> dict[str, Any]:
         q = self.conn.execute
