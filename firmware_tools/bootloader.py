@@ -9,12 +9,22 @@ Invariants this module owns:
 - Only the Write Memory data stage is retried (NACK there means the frame was rejected, the chip
   is back waiting for a command); nothing else is retried silently.
 - Errors name the operation, its address and size, and what came back; they end with a Hint.
+- Frames are never sent past an unanswered ACK (a real USART holds one byte). Each frame leaves
+  in one write(). On a tty the wait for a reply is one blocking read() (VMIN=0, VTIME = the
+  deadline), and between a reply and the next frame only the reply's check runs: the block
+  loops (`write_blocks`, `compare_blocks`) send the next command first and do bookkeeping
+  (`done(i)`: counters, progress) while it is on the wire. A read that returns nothing on a
+  hung-up line is a LinkError, not a timeout.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import math
 import os
 import select
+import termios
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +49,13 @@ __all__ = [
 _ACK_BYTE = bytes((ACK,))
 _READ_COMMAND = an3155.encode_command(Command.READ_MEMORY)
 _WRITE_COMMAND = an3155.encode_command(Command.WRITE_MEMORY)
+_VTIME_MAX_S = 25.5  # the longest wait VTIME can express; longer ones take the general path
+# A reply that cannot be complete before this many seconds (its bytes and the frame's at the
+# port's baud rate) is waited for in two steps: a timed wait that ends when the reply's last
+# byte could first be there, then the read. An idle CPU takes 0.1-0.3 ms to wake after such a
+# long sleep; the second, short sleep wakes fast.
+_PREWAKE_MIN_S = 0.002
+_PREWAKE_LEAD_S = 0.0003
 _CHECK_WIRING = (
     "check that BOOT0 is high and the chip was reset into its bootloader, that TX/RX are "
     "crossed, and the baud rate and parity (the bootloader uses 8E1)"
@@ -105,7 +122,12 @@ def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 
 
 
 class Bootloader:
-    """Talks AN3155 on an open port. `trace(direction, bytes)` sees every byte on the wire."""
+    """Talks AN3155 on an open port. `trace(direction, bytes)` sees every byte on the wire.
+
+    On a POSIX tty the port's fd is switched to blocking reads with VMIN=0 and VTIME set to the
+    wait (termios' own timer, 0.1 s steps): one read() per reply, no poll() before it. `close()`
+    and `release()` put the fd's flags and termios back.
+    """
 
     def __init__(
         self,
@@ -125,10 +147,17 @@ class Bootloader:
         self.already_synced = False
         self.chip_id: int | None = None
         self._timeout: float | None = None
-        self._fd = _posix_fd(port)
-        if self._fd is not None:
-            self._poll = select.poll()
-            self._poll.register(self._fd, select.POLLIN)
+        self._vtime = -1
+        # True until a reply comes back sooner than the baud rate allows (a pty, a USB CDC
+        # port): then long waits are no longer split for an early wake-up.
+        self.link_paced = True
+        self._saved: tuple[int, list[Any]] | None = None
+        self._fd: int | None = None
+        fd = _posix_fd(port)
+        if fd is not None:
+            self._saved = _blocking_reads(fd)
+            if self._saved is not None:
+                self._fd = fd
 
     # --- raw I/O ------------------------------------------------------------------------------
 
@@ -137,40 +166,61 @@ class Bootloader:
             self.trace("tx", data)
         try:
             if self._fd is not None:
-                _write_fd(self._fd, data)
+                _write_all(self._fd, data)
             else:
                 self.port.write(data)
         except Exception as exc:  # pyserial raises SerialException/OSError/portNotOpenError
-            raise LinkError(
-                f"{what} on {self.name}: writing {len(data)} bytes failed: {exc}. "
-                "Hint: the link dropped; reconnect the adapter and rerun with --resume."
-            ) from exc
+            raise self._link_error(what, f"writing {len(data)} bytes", exc) from exc
 
-    def _send_first(self, data: bytes) -> bool:
-        """Send a command frame before its error text is built: True if it went out whole on
-        the tty fast path; False (nothing sent) means call `_send`, which explains failures."""
-        if self._fd is None or self.trace is not None:
-            return False
-        try:
-            n = os.write(self._fd, data)
-            if n < len(data):
-                _write_fd(self._fd, data[n:])
-        except OSError:
-            return False  # EAGAIN or a dead link: `_send` retries and words the error
-        return True
+    def _link_error(self, what: str, doing: str, exc: BaseException) -> LinkError:
+        return LinkError(
+            f"{what} on {self.name}: {doing} failed: {exc}. "
+            "Hint: the link dropped; reconnect the adapter and rerun with --resume."
+        )
+
+    def _set_vtime(self, deciseconds: int) -> None:
+        """VTIME (0.1 s units, 1..255) on the blocking tty; a tcsetattr only on a change."""
+        if deciseconds != self._vtime:
+            assert self._fd is not None
+            attrs = termios.tcgetattr(self._fd)
+            attrs[6][termios.VMIN] = 0
+            attrs[6][termios.VTIME] = deciseconds
+            termios.tcsetattr(self._fd, termios.TCSANOW, attrs)
+            self._vtime = deciseconds
+
+    def _read_some(self, n: int, timeout: float) -> bytes:
+        """Up to `n` bytes: what has arrived, or b"" after `timeout` (tty fast path)."""
+        assert self._fd is not None
+        self._set_vtime(_deciseconds(timeout))
+        return os.read(self._fd, n)
+
+    def _check_hangup(self) -> None:
+        """After a read returned nothing: tell a hung-up line (adapter unplugged, pty master
+        closed: read() returns at once) from a wait that ran out."""
+        assert self._fd is not None
+        probe = select.poll()
+        probe.register(self._fd, select.POLLIN)
+        for _, events in probe.poll(0):
+            if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                raise OSError(errno.EIO, "the line hung up (adapter unplugged or far end closed)")
 
     def _recv(self, n: int, timeout: float, what: str) -> bytes:
         deadline = time.monotonic() + timeout
         try:
             if self._fd is not None:
-                buf = self._read_fd(n, deadline)
+                buf = bytearray()
+                while len(buf) < n:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    chunk = self._read_some(n - len(buf), left)
+                    if not chunk:
+                        self._check_hangup()
+                    buf += chunk
             else:
                 buf = self._read_port(n, timeout, deadline)
-        except Exception as exc:  # pyserial: SerialException, OSError, PortNotOpenError
-            raise LinkError(
-                f"{what} on {self.name}: reading failed: {exc}. "
-                "Hint: the link dropped; reconnect and rerun with --resume."
-            ) from exc
+        except (Exception, termios.error) as exc:  # SerialException, OSError, PortNotOpenError
+            raise self._link_error(what, "reading", exc) from exc
         if self.trace and buf:
             self.trace("rx", bytes(buf))
         if len(buf) < n:
@@ -194,47 +244,9 @@ class Bootloader:
                 break
         return buf
 
-    def _read_fd(self, n: int, deadline: float) -> bytearray:
-        """Direct reads on a POSIX tty (pyserial opened it O_NONBLOCK): one poll + one read per
-        chunk, instead of pyserial's select on an abort pipe around every call."""
-        assert self._fd is not None
-        buf = bytearray()
-        while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._poll.poll(left * 1000):
-                break
-            try:
-                chunk = os.read(self._fd, n - len(buf))
-            except BlockingIOError:
-                continue
-            if not chunk:
-                raise OSError("device reports readiness to read but returned no data "
-                              "(disconnected?)")
-            buf += chunk
-        return buf
-
     def _ack(self, what: str, timeout: float | None = None) -> None:
         timeout = timeout or self.timeouts.ack
-        deadline = time.monotonic() + timeout
-        first: int | None = None
-        if self._fd is not None and self.trace is None:
-            # Hot path (three times per block of a flash job): one poll, one one-byte read.
-            # Anything but a plain ACK goes on to the general loop below.
-            try:
-                if self._poll.poll(timeout * 1000):
-                    got = os.read(self._fd, 1)
-                    if got == _ACK_BYTE:
-                        return
-                    if got:
-                        first = got[0]
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise LinkError(
-                    f"{what} on {self.name}: reading failed: {exc}. "
-                    "Hint: the link dropped; reconnect and rerun with --resume."
-                ) from exc
-        self._ack_slow(what, timeout, deadline, first)
+        self._ack_slow(what, timeout, time.monotonic() + timeout, None)
 
     def _ack_slow(self, what: str, timeout: float, deadline: float, first: int | None) -> None:
         while True:
@@ -265,10 +277,11 @@ class Bootloader:
         self._send(an3155.encode_command(code), what)
         self._command_ack(code, what)
 
-    def _command_ack(self, code: int, what: str) -> None:
-        """Wait for the ACK of command `code` (sent already); explain a NACK."""
+    def _command_ack(self, code: int, what: str, first: int | None = None) -> None:
+        """Wait for the ACK of command `code` (sent already; `first`: a reply byte read
+        already); explain a NACK."""
         try:
-            self._ack(what)
+            self._ack_from(what, first)
         except NackError as exc:
             protected = (
                 Command.READ_MEMORY,
@@ -361,44 +374,263 @@ class Bootloader:
         return pid
 
     def read_memory(self, address: int, length: int) -> bytes:
-        # Frames are ready before each ACK arrives: only a write separates an ACK from the next.
-        if not (0 <= address <= 0xFFFFFFFF and 1 <= length <= an3155.MAX_TRANSFER):
-            an3155.encode_address(address)  # raise the encoder's error
-            an3155.encode_length(length)
-        sent = self._send_first(_READ_COMMAND)
-        # The error text and the frames are built while the command's ACK is on its way.
         what = f"READ_MEMORY at 0x{address:08X} ({length} bytes)"
         address_frame = an3155.encode_address(address)
         length_frame = an3155.encode_length(length)
-        if not sent:
-            self._send(_READ_COMMAND, what)
-        self._command_ack(Command.READ_MEMORY, what)
+        self._command(Command.READ_MEMORY, what)
         self._send(address_frame, what)
         self._ack_or_explain(what, "the address is outside readable memory")
         self._send(length_frame, what)
-        return self._ack_then(length, self.timeouts.read, what)
+        self._ack(what, self.timeouts.read)
+        return self._recv(length, self.timeouts.read, what)
 
-    def _ack_then(self, n: int, timeout: float, what: str) -> bytes:
-        """ACK, then `n` bytes (Read Memory's data stage). On a tty, one read takes both when
-        the whole reply has arrived; BUSY bytes before the ACK are skipped, NACK raises."""
-        if self._fd is None or self.trace is not None:
-            self._ack(what, timeout)
-            return self._recv(n, timeout, what)
-        deadline = time.monotonic() + timeout
+    def write_memory(self, address: int, data: bytes) -> None:
+        """Write ≤256 bytes at a 4-byte aligned address (padded with 0xFF); retried on NACK."""
+        self.write_blocks(((address, data),))
+
+    def write_blocks(
+        self, blocks: Sequence[tuple[int, bytes]], done: Callable[[int], None] | None = None
+    ) -> None:
+        """Write Memory for each (address, ≤256 bytes) in order; a NACKed data stage is retried.
+
+        Every frame is checked before the first byte goes out. The next block's command is sent
+        as soon as a block's data is ACKed. `done(i)` (bookkeeping) runs once the next block's
+        data frame is out -- while its ~256 bytes are on the wire and the chip programs them,
+        not while a short reply is due -- and for the last block at the end.
+        """
+        frames = [_write_frames(address, data) for address, data in blocks]
+        fd = self._fd if self.trace is None else None
+        ack_t, write_t = self.timeouts.ack, self.timeouts.write
+        ack_ds, write_ds = _deciseconds(ack_t), _deciseconds(write_t)
+        if max(ack_t, write_t) > _VTIME_MAX_S:
+            fd = None
+        i, attempt, sent, same, pending = 0, 0, False, ack_ds == write_ds, -1
+        byte_s = self._byte_seconds()
         try:
-            got = os.read(self._fd, n + 1) if self._poll.poll(timeout * 1000) else b""
-        except BlockingIOError:
-            got = b""
-        except OSError as exc:
-            raise LinkError(
-                f"{what} on {self.name}: reading failed: {exc}. "
-                "Hint: the link dropped; reconnect and rerun with --resume."
+            if fd is not None:
+                self._set_vtime(ack_ds)
+            while i < len(frames):
+                address, address_frame, frame = frames[i]
+                if fd is None:
+                    self._write_block_slow(address, address_frame, frame, len(blocks[i][1]),
+                                           attempt)
+                else:
+                    # Between a reply and the next frame: only the check of the reply.
+                    if not sent:
+                        _write_all(fd, _WRITE_COMMAND)
+                    if not same:
+                        self._set_vtime(ack_ds)
+                    got = os.read(fd, 1)
+                    if got != _ACK_BYTE:
+                        self._finish_ack(got, ack_t, _what_write(address, blocks[i][1]), "cmd")
+                    if (k := os.write(fd, address_frame)) != 5:
+                        _write_all(fd, address_frame[k:])  # cut short by a signal (rare)
+                    got = os.read(fd, 1)
+                    if got != _ACK_BYTE:
+                        self._finish_ack(got, ack_t, _what_write(address, blocks[i][1]), "addr")
+                    if (k := os.write(fd, frame)) != len(frame):
+                        _write_all(fd, frame[k:])
+                    t_sent = time.monotonic()
+                    if not same:
+                        self._set_vtime(write_ds)
+                    self._wait_then(fd, t_sent + (len(frame) + 1) * byte_s, done, pending)
+                    pending = -1
+                    got = os.read(fd, 1)
+                    if got != _ACK_BYTE:
+                        try:
+                            self._finish_ack(got, write_t, _what_write(address, blocks[i][1]))
+                        except NackError as exc:
+                            attempt = self._write_nacked(attempt, address, blocks[i][1], exc)
+                            sent = False
+                            continue
+                    i += 1
+                    sent = i < len(frames)
+                    if sent and (k := os.write(fd, _WRITE_COMMAND)) != 2:
+                        _write_all(fd, _WRITE_COMMAND[k:])  # cut short by a signal (rare)
+                    attempt, pending = 0, i - 1
+                    continue
+                i += 1
+                attempt = 0
+                if done is not None:
+                    done(i - 1)
+        except BootloaderError:
+            raise
+        except (OSError, termios.error) as exc:
+            address, data = blocks[min(i, len(blocks) - 1)]
+            raise self._link_error(_what_write(address, data), "talking", exc) from exc
+        finally:
+            if pending >= 0 and done is not None:
+                done(pending)  # the last block, or the one before a failure
+
+    def _write_block_slow(
+        self, address: int, address_frame: bytes, frame: bytes, size: int, attempt: int
+    ) -> None:
+        what = f"WRITE_MEMORY at 0x{address:08X} ({size} bytes)"
+        while True:
+            self._command(Command.WRITE_MEMORY, what)
+            self._send(address_frame, what)
+            self._ack_or_explain(what, "the address is not writable")
+            self._send(frame, what)
+            try:
+                self._ack(what, self.timeouts.write)
+                return
+            except NackError as exc:
+                attempt = self._write_nacked(attempt, address, bytes(size), exc)
+
+    def _write_nacked(self, attempt: int, address: int, data: bytes, exc: NackError) -> int:
+        """Count a NACKed data stage; raise when the retries are used up."""
+        if attempt >= self.write_retries:
+            raise NackError(
+                f"{_what_write(address, data)} on {self.name}: bootloader answered NACK (0x1F) "
+                f"{attempt + 1} times. Hint: the flash there may be write-protected "
+                "(Write Unprotect 0x73) or not erased; noise on the line also causes "
+                "this — try a lower --baud."
             ) from exc
-        if len(got) == n + 1 and got[0] == ACK:
-            return got[1:]
+        return attempt + 1
+
+    def compare_blocks(
+        self, blocks: Sequence[tuple[int, bytes]], done: Callable[[int], None] | None = None
+    ) -> tuple[int, bytes] | None:
+        """Read Memory for each (address, expected bytes) and compare, in order.
+
+        Returns (index, bytes read) of the first block that differs, None if all matched.
+        After a block matched the next command is sent at once; `done(i)` runs once the next
+        block's length frame is out (its ~257-byte reply is then on the wire), and for the last
+        block at the end. Nothing is sent after a block that differs.
+        """
+        frames = [
+            (an3155.encode_address(address), an3155.encode_length(len(expected)))
+            for address, expected in blocks
+        ]
+        fd = self._fd if self.trace is None else None
+        ack_t, read_t = self.timeouts.ack, self.timeouts.read
+        ack_ds, read_ds = _deciseconds(ack_t), _deciseconds(read_t)
+        if max(ack_t, read_t) > _VTIME_MAX_S:
+            fd = None
+        i, sent, same, pending = 0, False, ack_ds == read_ds, -1
+        byte_s = self._byte_seconds()
+        try:
+            if fd is not None:
+                self._set_vtime(ack_ds)
+            for i, (address, expected) in enumerate(blocks):
+                if fd is None:
+                    data = self.read_memory(address, len(expected))
+                else:
+                    # Between a reply and the next frame: only the check of the reply.
+                    if not sent:
+                        _write_all(fd, _READ_COMMAND)
+                    if not same:
+                        self._set_vtime(ack_ds)
+                    got = os.read(fd, 1)
+                    if got != _ACK_BYTE:
+                        self._finish_ack(got, ack_t, _what_read(address, expected), "cmd")
+                    address_frame, length_frame = frames[i]
+                    if (k := os.write(fd, address_frame)) != 5:
+                        _write_all(fd, address_frame[k:])  # cut short by a signal (rare)
+                    got = os.read(fd, 1)
+                    if got != _ACK_BYTE:
+                        self._finish_ack(got, ack_t, _what_read(address, expected), "raddr")
+                    if (k := os.write(fd, length_frame)) != 2:
+                        _write_all(fd, length_frame[k:])
+                    t_sent = time.monotonic()
+                    n = len(expected)
+                    if not same:
+                        self._set_vtime(read_ds)
+                    self._wait_then(fd, t_sent + (n + 3) * byte_s, done, pending)
+                    pending = -1
+                    got = os.read(fd, n + 1)
+                    if len(got) == n + 1 and got[0] == ACK:
+                        data = got[1:]
+                    else:
+                        data = self._finish_read(got, n, read_t, _what_read(address, expected))
+                if data != expected:
+                    return i, data
+                if fd is None:
+                    if done is not None:
+                        done(i)
+                    continue
+                sent = i + 1 < len(blocks)
+                if sent and (k := os.write(fd, _READ_COMMAND)) != 2:
+                    _write_all(fd, _READ_COMMAND[k:])  # cut short by a signal (rare)
+                pending = i
+        except BootloaderError:
+            raise
+        except (OSError, termios.error) as exc:
+            address, expected = blocks[i]
+            raise self._link_error(_what_read(address, expected), "talking", exc) from exc
+        finally:
+            if pending >= 0 and done is not None:
+                done(pending)  # the last block, or the one before a failure
+        return None
+
+    def _byte_seconds(self) -> float:
+        """Wire time of one byte at the port's baud rate (start, 8 data, stop bits), 0 if the
+        port does not say."""
+        baud = getattr(self.port, "baudrate", None)
+        return 10.0 / baud if isinstance(baud, int) and baud > 0 else 0.0
+
+    def _wait_then(
+        self, fd: int, ready: float, done: Callable[[int], None] | None, pending: int
+    ) -> None:
+        """Before the read of a reply that cannot be complete before `ready`: if that is far
+        enough away (`_PREWAKE_MIN_S`), sleep until shortly before it (or until bytes arrive);
+        then run `done(pending)` (bookkeeping: off the CPU while the chip takes the frame).
+        A reply that comes early shows a link faster than its baud rate (a pty, a USB CDC
+        port): no more early wake-ups on it."""
+        left = ready - _PREWAKE_LEAD_S - time.monotonic()
+        if left > _PREWAKE_MIN_S and self.link_paced:
+            early, _, _ = select.select((fd,), (), (), left)
+            if early and ready - time.monotonic() > _PREWAKE_MIN_S:
+                self.link_paced = False
+        if pending >= 0 and done is not None:
+            done(pending)
+
+    def _finish_ack(self, got: bytes, timeout: float, what: str, stage: str = "") -> None:
+        """The fast path read `got` (b"" when VTIME ran out) instead of a plain ACK: skip BUSY,
+        explain NACK as the stage (`cmd`, `addr`, `raddr` or the data stage) would, raise.
+        VTIME is as before when it returns."""
+        vtime = self._vtime
+        self._finish_ack_stage(got, timeout, what, stage)
+        if self._fd is not None:
+            self._set_vtime(vtime)
+
+    def _finish_ack_stage(self, got: bytes, timeout: float, what: str, stage: str) -> None:
+        if not got:
+            try:
+                self._check_hangup()
+            except OSError as exc:
+                raise self._link_error(what, "reading", exc) from exc
+            raise BootloaderTimeout(
+                f"{what} on {self.name}: waited {timeout:g} s for 1 bytes, got nothing. "
+                f"Hint: {_CHECK_WIRING}."
+            )
+        deadline = time.monotonic() + timeout
+        if stage == "cmd":
+            code = Command.WRITE_MEMORY if what.startswith("WRITE") else Command.READ_MEMORY
+            self._command_ack(code, what, got[0])
+        elif stage:
+            reason = "the address is not writable" if stage == "addr" else (
+                "the address is outside readable memory")
+            self._ack_or_explain(what, reason, got[0])
+        else:
+            self._ack_slow(what, timeout, deadline, got[0])
+
+    def _finish_read(self, got: bytes, n: int, timeout: float, what: str) -> bytes:
+        """The rest of an ACK + `n` data bytes reply of which the fast path read `got`;
+        VTIME is as before when it returns."""
+        vtime = self._vtime
+        data = self._finish_read_stage(got, n, timeout, what)
+        if self._fd is not None:
+            self._set_vtime(vtime)
+        return data
+
+    def _finish_read_stage(self, got: bytes, n: int, timeout: float, what: str) -> bytes:
+        if not got:
+            self._finish_ack(got, timeout, what)  # raises: timeout or hung-up line
         k = 0
         while k < len(got) and got[k] == BUSY:
             k += 1
+        deadline = time.monotonic() + timeout
         if k < len(got):
             if got[k] != ACK:
                 self._ack_slow(what, timeout, deadline, got[k])  # raises: NACK or garbage
@@ -409,39 +641,6 @@ class Bootloader:
         if len(data) < n:
             data += self._recv(n - len(data), timeout, what)
         return data
-
-    def write_memory(self, address: int, data: bytes) -> None:
-        """Write ≤256 bytes at a 4-byte aligned address (padded with 0xFF); retried on NACK."""
-        valid = 1 <= len(data) <= an3155.MAX_TRANSFER and 0 <= address <= 0xFFFFFFFF
-        sent = not address % 4 and valid and self._send_first(_WRITE_COMMAND)
-        # The error text and the frames are built while the command's ACK is on its way.
-        what = f"WRITE_MEMORY at 0x{address:08X} ({len(data)} bytes)"
-        if address % 4:
-            raise ProtocolError(
-                f"{what}: address is not 4-byte aligned. "
-                "Hint: the bootloader writes whole words; align the chunk."
-            )
-        frame = an3155.encode_write_data(data)  # validates the size
-        address_frame = an3155.encode_address(address)
-        for attempt in range(self.write_retries + 1):
-            if not sent:
-                self._send(_WRITE_COMMAND, what)
-            sent = False
-            self._command_ack(Command.WRITE_MEMORY, what)
-            self._send(address_frame, what)
-            self._ack_or_explain(what, "the address is not writable")
-            self._send(frame, what)
-            try:
-                self._ack(what, self.timeouts.write)
-                return
-            except NackError as exc:
-                if attempt == self.write_retries:
-                    raise NackError(
-                        f"{what} on {self.name}: bootloader answered NACK (0x1F) "
-                        f"{attempt + 1} times. Hint: the flash there may be write-protected "
-                        "(Write Unprotect 0x73) or not erased; noise on the line also causes "
-                        "this — try a lower --baud."
-                    ) from exc
 
     def erase(self, pages: Sequence[int], erase_command: int | None = None) -> None:
         """Erase the given pages/sectors with 0x44 or 0x43, whichever Get listed.
@@ -483,7 +682,21 @@ class Bootloader:
         self._command(Command.READOUT_UNPROTECT, what)
         self._ack(what, self.timeouts.mass_erase)
 
+    def release(self) -> None:
+        """Put the tty's fd flags and termios back as pyserial set them (for a port that stays
+        open after this Bootloader); later calls use pyserial's own reads."""
+        if self._saved is not None and self._fd is not None:
+            flags, attrs = self._saved
+            try:
+                termios.tcsetattr(self._fd, termios.TCSANOW, attrs)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+            except (OSError, termios.error):
+                pass  # a dead link: nothing left to give back
+        self._saved = None
+        self._fd = None
+
     def close(self) -> None:
+        self.release()
         try:
             self.port.close()
         except Exception:  # noqa: BLE001 - closing a dead link must not mask the real error
@@ -498,9 +711,13 @@ class Bootloader:
         assert self.info is not None
         return an3155.erase_command_of(self.info)
 
-    def _ack_or_explain(self, what: str, reason: str) -> None:
+    def _ack_from(self, what: str, first: int | None) -> None:
+        timeout = self.timeouts.ack
+        self._ack_slow(what, timeout, time.monotonic() + timeout, first)
+
+    def _ack_or_explain(self, what: str, reason: str, first: int | None = None) -> None:
         try:
-            self._ack(what)
+            self._ack_from(what, first)
         except NackError as exc:
             raise NackError(
                 f"{what} on {self.name}: bootloader answered NACK (0x1F) to the address: "
@@ -519,22 +736,47 @@ def _posix_fd(port: Any) -> int | None:
     return None
 
 
-def _write_fd(fd: int, data: bytes) -> None:
-    """All of `data` to a non-blocking fd: one write() in the usual case."""
+def _blocking_reads(fd: int) -> tuple[int, list[Any]] | None:
+    """Clear O_NONBLOCK on a tty (VMIN/VTIME are set per wait); returns what to restore, or
+    None if the fd refuses (then pyserial's reads are used)."""
     try:
-        n = os.write(fd, data)
-    except BlockingIOError:
-        n = 0
-    if n == len(data):
-        return
-    view = memoryview(data)[n:]
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:
-            select.select([], [fd], [], 1.0)
-            continue
-        view = view[n:]
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        attrs = termios.tcgetattr(fd)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    except (OSError, termios.error):
+        return None
+    return flags, attrs
+
+
+def _deciseconds(seconds: float) -> int:
+    """A wait as VTIME: 0.1 s steps, rounded up, within 1..255."""
+    return max(1, min(255, math.ceil(seconds * 10 - 1e-9)))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of `data` to a blocking fd (one write() unless a signal cuts it short)."""
+    n = os.write(fd, data)
+    while n < len(data):
+        n += os.write(fd, memoryview(data)[n:])
+
+
+def _what_write(address: int, data: bytes) -> str:
+    return f"WRITE_MEMORY at 0x{address:08X} ({len(data)} bytes)"
+
+
+def _what_read(address: int, expected: bytes) -> str:
+    return f"READ_MEMORY at 0x{address:08X} ({len(expected)} bytes)"
+
+
+def _write_frames(address: int, data: bytes) -> tuple[int, bytes, bytes]:
+    """(address, address frame, data frame) of one Write Memory; raises on a bad request."""
+    if address % 4:
+        raise ProtocolError(
+            f"{_what_write(address, data)}: address is not 4-byte aligned. "
+            "Hint: the bootloader writes whole words; align the chunk."
+        )
+    frame = an3155.encode_write_data(data)  # validates the size
+    return address, an3155.encode_address(address), frame
 
 
 def _ranges(pages: Sequence[int]) -> str:

@@ -18,6 +18,7 @@ Invariants this module owns:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -242,6 +243,8 @@ def _connect(
     except BaseException:
         if name:
             bl.close()
+        else:
+            bl.release()
         raise
     return bl
 
@@ -334,26 +337,20 @@ def flash_elf(
         # 3. Write and read back, sector by sector.
         for job, todo in work:
             index, size = job.sector.index, job.size
-            written, todo_size = 0, max(sum(len(d) for _, d in todo), 1)
-            for address, data in todo:
-                bl.write_memory(address, data)
-                result.bytes_written += len(data)
-                written += len(data)
-                report(done + written * size // (2 * todo_size), total, "write")
+            # Per-block bookkeeping runs while the next command is on the wire (_Steps).
+            half = size // 2
+            bl.write_blocks(todo, _Steps(result, True, todo, progress, done, half, total))
             if on_sector is not None:
                 on_sector([index], "written")
-            for i, (address, data) in enumerate(job.check):
-                _verify(bl, address, data, index)
-                result.bytes_verified += len(data)
-                report(done + size // 2 + (i + 1) * size // (2 * len(job.check)), total, "verify")
+            steps = _Steps(result, False, job.check, progress, done + half, size - half, total)
+            _verify(bl, job.check, index, steps)
             journal.mark(index, "verified")
             done += size
         # 4. Sectors an interrupted run finished: read back once.
         for job in jobs:
             if job.sector.index in result.resumed:
-                for address, data in job.check:
-                    _verify(bl, address, data, job.sector.index)
-                    result.bytes_verified += len(data)
+                _verify(bl, job.check, job.sector.index,
+                        _Steps(result, False, job.check, None, done, 0, total))
                 done += job.size
                 report(done, total, "verify")
         if go:
@@ -364,6 +361,8 @@ def flash_elf(
     finally:
         if isinstance(port_url, str):
             bl.close()
+        else:
+            bl.release()  # the caller's port: give it back as it was opened
     result.seconds = time.monotonic() - t0
     return result
 
@@ -377,14 +376,11 @@ def _sector_todo(
         # Read before erase: a 16-byte probe first (a different image nearly always differs
         # there), then block by block; the first difference decides.
         address, data = job.check[0]
-        probe = min(PROBE, len(data))
         report(done, total, "read")
-        if bl.read_memory(address, probe) != data[:probe]:
+        if bl.compare_blocks(((address, data[:PROBE]),)) is not None:
             return job.write
-        for address, data in job.check:
-            report(done, total, "read")
-            if bl.read_memory(address, len(data)) != data:
-                return job.write
+        if bl.compare_blocks(job.check, lambda i: report(done, total, "read")) is not None:
+            return job.write
         return None
     missing: set[int] = set()
     for address, data in job.check:
@@ -399,9 +395,44 @@ def _sector_todo(
     return todo or None
 
 
-def _verify(bl: Bootloader, address: int, data: bytes, sector: int) -> None:
-    got = bl.read_memory(address, len(data))
-    if got != data:
+class _Steps:
+    """Called with each block's index as it is done: counts its bytes into the result's
+    bytes_written (`writing`) or bytes_verified, and reports progress from `at` to
+    `at + span` in proportion to the bytes done."""
+
+    def __init__(
+        self,
+        result: FlashResult,
+        writing: bool,
+        blocks: tuple[tuple[int, bytes], ...],
+        report: Progress | None,
+        at: int,
+        span: int,
+        total: int,
+    ) -> None:
+        self.result, self.writing, self.blocks = result, writing, blocks
+        self.report, self.at, self.span, self.total = report, at, span, total
+        self.ends = list(itertools.accumulate(len(d) for _, d in blocks)) or [1]
+        self.phase = "write" if writing else "verify"
+
+    def __call__(self, i: int) -> None:
+        if self.writing:
+            self.result.bytes_written += len(self.blocks[i][1])
+        else:
+            self.result.bytes_verified += len(self.blocks[i][1])
+        if self.report is not None:
+            done = self.at + self.ends[i] * self.span // self.ends[-1]
+            self.report(done, self.total, self.phase)
+
+
+def _verify(
+    bl: Bootloader, blocks: tuple[tuple[int, bytes], ...], sector: int, steps: _Steps
+) -> None:
+    """Read every block back and compare (`steps` after each block that matched)."""
+    bad = bl.compare_blocks(blocks, steps)
+    if bad is not None:
+        index, got = bad
+        address, data = blocks[index]
         i = next(i for i, (a, b) in enumerate(zip(got, data, strict=True)) if a != b)
         raise VerifyError(
             f"verify of sector {sector} on {bl.name}: byte at 0x{address + i:08X} reads "
@@ -441,6 +472,8 @@ def read_flash(
     finally:
         if isinstance(port_url, str):
             bl.close()
+        else:
+            bl.release()  # the caller's port: give it back as it was opened
     out = Path(out_path)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as fh:

@@ -19,6 +19,7 @@ Fault knobs (URL query or `Faults.parse`): see `Faults`.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections import deque
 from collections.abc import Generator, Mapping
@@ -144,6 +145,9 @@ class Faults:
     corrupt=0x08000010,...   programming that byte leaves bit 0 wrong (a weak cell)
     erase_ms=N               each sector erase takes N ms (default 0)
     baud=N                   pace the link: every byte takes 10/N s on the wire, each way
+    timeline=PATH            instrumentation, off by default: log when each chunk of host
+                             bytes was read and each reply written (monotonic seconds), as
+                             `rx|tx<TAB>time<TAB>bytes` lines written to PATH at exit
     """
 
     nack: dict[int, int] = field(default_factory=dict)  # command -> remaining (-1: always)
@@ -156,9 +160,10 @@ class Faults:
     corrupt: set[int] = field(default_factory=set)
     erase_ms: float = 0.0
     baud: int = 0
+    timeline: str | None = None
 
     KEYS = ("nack", "silence", "garbage", "busy", "bytewise", "drop_after", "rdp", "corrupt",
-            "erase_ms", "baud")
+            "erase_ms", "baud", "timeline")
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Faults:
@@ -182,6 +187,13 @@ class Faults:
                 setattr(f, key, value.lower() in ("1", "true", "yes", "on"))
             elif key == "erase_ms":
                 f.erase_ms = float(_int(value, key))
+            elif key == "timeline":
+                if not value:
+                    raise SimulatorError(
+                        "simulator option timeline= needs a file name. "
+                        "Hint: write e.g. timeline=/tmp/sim-timeline.tsv."
+                    )
+                f.timeline = value
             else:
                 raise SimulatorError(
                     f"simulator option {key!r} is unknown. Hint: valid options are chip, board, "
@@ -234,6 +246,11 @@ class Stm32Simulator:
         self._inbuf = bytearray()
         self._prog = self._program()
         self._need = next(self._prog)
+        # Instrumentation (timeline knob): (direction, monotonic time, bytes) per chunk.
+        self.timeline: list[tuple[str, float, int]] | None = None
+        if self.faults.timeline:
+            self.timeline = []
+            atexit.register(self.write_timeline, self.faults.timeline)
 
     # --- byte seam ----------------------------------------------------------------------------
 
@@ -241,6 +258,8 @@ class Stm32Simulator:
         """Bytes from the host arriving at time `now`."""
         if self.dropped:
             return
+        if self.timeline is not None:
+            self.timeline.append(("rx", now, len(data)))
         if self.faults.drop_after is not None:
             room = self.faults.drop_after - self.received
             if len(data) >= room:
@@ -271,7 +290,16 @@ class Stm32Simulator:
                 data = data[:cut]
             out += data
         self.sent += len(out)
+        if out and self.timeline is not None:
+            self.timeline.append(("tx", now, len(out)))
         return bytes(out)
+
+    def write_timeline(self, path: str | os.PathLike[str]) -> None:
+        """Write the timeline (timeline knob) as `rx|tx<TAB>seconds<TAB>bytes` lines."""
+        if self.timeline is None:
+            return
+        with open(path, "w", encoding="ascii") as fh:
+            fh.writelines(f"{d}\t{t:.9f}\t{n}\n" for d, t, n in self.timeline)
 
     def next_ready(self) -> float | None:
         return self._out[0][0] if self._out else None
