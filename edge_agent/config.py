@@ -112,6 +112,7 @@ class JournalConfig:
     ack: str = "durable"
     max_age_s: float | None = 604800.0
     max_finished: int = 10000
+    session_max_age_s: float | None = 2592000.0
 
     def resolve_path(self, state_dir: Path) -> Path:
         return Path(self.path).expanduser() if self.path else state_dir / "journal.sqlite3"

@@ -265,6 +265,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
                          "finished requests older than this are pruned (\"never\": keep)"),
         "max_finished": Key(_int(0, 100_000_000), "10000",
                             "at most this many finished requests are kept (oldest pruned)"),
+        "session_max_age_s": Key(_float(0, 10**10, none_word="never"), "2592000",
+                                 "sessions unused for this long are forgotten (\"never\": "
+                                 "keep; the journal then grows with every session)"),
     },
     "cgroup": {
         "enabled": Key(_bool, "true", "manage a delegated cgroup v2 subtree (supervisor/, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,22 @@ def test_vacuum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store.close()
     assert main(["journal", "--journal", str(path), "vacuum", "--max-age", "-1"]) == 2
     assert "--max-age -1.0 must be >= 0" in capsys.readouterr().err
+
+
+def test_vacuum_forgets_idle_sessions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _journal(tmp_path)
+    store = JournalStore(open_journal(path))
+    store.save_session("old", "smollm2", [1, 2], now=1000.0)
+    store.save_session("new", "smollm2", [3], now=time.time())
+    store.close()
+    assert main(["journal", "--journal", str(path), "vacuum", "--session-max-age", "3600"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned 0 finished request(s) and 1 session(s)" in out
+    store = JournalStore(open_journal(path, readonly=True))
+    assert store.get_session("old") is None and store.get_session("new") is not None
+    store.close()
+    assert main(["journal", "--journal", str(path), "vacuum", "--session-max-age", "-5"]) == 2
+    assert "--session-max-age -5.0 must be >= 0" in capsys.readouterr().err
 
 
 def test_missing_and_corrupt_journal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

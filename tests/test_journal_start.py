@@ -245,13 +245,15 @@ def test_check_leaves_no_memory_map(tmp_path: Path) -> None:
 class _Host:
     """What DaemonJournal asks of its daemon: config, state_dir, log, ready, services."""
 
-    def __init__(self, tmp_path: Path, max_finished: int) -> None:
+    def __init__(self, tmp_path: Path, max_finished: int,
+                 session_max_age_s: float | None = 2592000.0) -> None:
         from types import SimpleNamespace
 
         from edge_agent.config import JournalConfig
 
         self.config = SimpleNamespace(journal=JournalConfig(
-            path=str(tmp_path / "j.sqlite3"), max_finished=max_finished))
+            path=str(tmp_path / "j.sqlite3"), max_finished=max_finished,
+            session_max_age_s=session_max_age_s))
         self.state_dir = tmp_path
         self.ready = False
         self.services: dict[str, object] = {}  # no models: nothing to warm during the check
@@ -406,3 +408,35 @@ def test_work_failing_on_a_good_file_is_raised_after_the_check(tmp_path: Path) -
         assert j.quarantined is None and len(JournalStore(j).requests()) == 20
     finally:
         j.close()
+
+
+@pytest.mark.parametrize("max_age", [3600.0, None])
+def test_daemon_retention_forgets_idle_sessions(tmp_path: Path, max_age: float | None) -> None:
+    """journal.session_max_age_s: sessions unused for longer are dropped by the daemon's
+    retention pass (so the file stays bounded); "never" (None) keeps them all."""
+    import asyncio
+    import time
+
+    from edge_agent.daemon.durable import DaemonJournal
+
+    store = JournalStore(open_journal(tmp_path / "j.sqlite3", synchronous="OFF"))
+    now = time.time()
+    store.save_session("old", "m", [1, 2, 3], now=now - 7200)
+    store.save_session("fresh", "m", [4, 5], now=now - 60)
+    store.close()
+    host = _Host(tmp_path, max_finished=10, session_max_age_s=max_age)
+
+    async def scenario() -> tuple[dict[str, object], list[str]]:
+        dj = DaemonJournal(host)  # type: ignore[arg-type]
+        dj.open()
+        summary = await dj.prune_now()
+        assert dj.store is not None
+        kept = [s for s in ("old", "fresh") if dj.store.get_session(s) is not None]
+        dj.close()
+        return summary, kept
+
+    summary, kept = asyncio.run(scenario())
+    if max_age is None:
+        assert kept == ["old", "fresh"] and summary["sessions"] == 0
+    else:
+        assert kept == ["fresh"] and summary["sessions"] == 1

@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         help="also delete finished requests older than this")
     vacuum.add_argument("--keep", type=int, metavar="N",
                         help="also keep only the newest N finished requests")
+    vacuum.add_argument("--session-max-age", type=float, metavar="SECONDS",
+                        help="also forget sessions unused for this long")
     vacuum.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -127,7 +129,8 @@ def _export(store: Any, states: list[str] | None) -> int:
 def _vacuum(path: Path, args: argparse.Namespace) -> int:
     from edge_agent.journal import JournalMissingError, JournalStore, open_journal
 
-    for name, value in (("--max-age", args.max_age), ("--keep", args.keep)):
+    for name, value in (("--max-age", args.max_age), ("--keep", args.keep),
+                        ("--session-max-age", args.session_max_age)):
         if value is not None and value < 0:
             raise UsageError(f"journal vacuum: {name} {value} must be >= 0. Hint: e.g. "
                              f"{name} 86400.")
@@ -136,17 +139,18 @@ def _vacuum(path: Path, args: argparse.Namespace) -> int:
                                   "or --journal FILE.")
     store = JournalStore(open_journal(path, on_corrupt="raise"))
     try:
-        pruned = store.prune(max_age_s=args.max_age, max_finished=args.keep)
+        pruned = store.prune(max_age_s=args.max_age, max_finished=args.keep,
+                             session_max_age_s=args.session_max_age)
         before, after = store.vacuum()
     finally:
         store.close()
-    result = {"path": str(path), "pruned_requests": pruned.requests, "bytes_before": before,
-              "bytes_after": after}
+    result = {"path": str(path), "pruned_requests": pruned.requests,
+              "pruned_sessions": pruned.sessions, "bytes_before": before, "bytes_after": after}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{path}: pruned {pruned.requests} finished request(s); {before} -> {after} bytes "
-              "(file + WAL)")
+        print(f"{path}: pruned {pruned.requests} finished request(s) and {pruned.sessions} "
+              f"session(s); {before} -> {after} bytes (file + WAL)")
     return 0
 
 

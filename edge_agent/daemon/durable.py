@@ -185,7 +185,9 @@ class DaemonJournal:
             t1 = time.perf_counter()
             try:
                 res = self.store.prune(max_age_s=self.cfg.max_age_s,
-                                       max_finished=self.cfg.max_finished, limit=PRUNE_BATCH)
+                                       max_finished=self.cfg.max_finished,
+                                       session_max_age_s=self.cfg.session_max_age_s,
+                                       limit=PRUNE_BATCH)
             except (JournalError, sqlite3.Error) as exc:
                 error = str(exc)
                 self.daemon.log(f"journal: retention pass failed: {exc}. Hint: check the "
