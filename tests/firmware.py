@@ -15,6 +15,12 @@ Used by the firmware tests (and the flasher's end-to-end tests) to get real ELF 
 Every variant comes from firmware_tools/examples/ (startup.c, main.c, stm32f405.ld) with one
 change, so each bad ELF differs from a good one by exactly the fault it demonstrates. Tests that
 need a tool call `require(tool)`, which skips loudly when it is absent (CI installs them).
+
+`served(url, "--pty")` (or `"--tcp", "0"`) runs the bootloader simulator as a separate process
+and yields the pty path (or host:port) to talk to, for tests that need a real tty or socket:
+
+    with firmware.served("stm32sim://?chip=f405", "--pty") as (pty, proc):
+        ...
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import os
 import selectors
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,6 +47,7 @@ __all__ = [
     "boot_qemu",
     "builder",
     "require",
+    "served",
 ]
 
 EXAMPLES = Path(firmware_tools.__file__).resolve().parent / "examples"
@@ -227,3 +236,23 @@ def boot_qemu(flash_bin: Path, *, expect: str = GREETING, timeout: float = 10.0)
         if proc.stdout is not None:
             proc.stdout.close()
     return out.decode("latin-1")
+
+
+@contextmanager
+def served(url: str, *mode: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Run `python -m firmware_tools.simulator --pty|--tcp 0 --url URL`; yield its address."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "firmware_tools.simulator", *mode, "--url", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line, f"simulator did not start: {proc.stderr.read() if proc.stderr else ''}"
+        yield line, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()

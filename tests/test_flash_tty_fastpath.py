@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_stm32flash_fidelity import served
+from firmware import served
 
 from firmware_tools.an3155 import ProtocolError
 from firmware_tools.bootloader import (

@@ -12,37 +12,16 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import firmware
 import pytest
+from firmware import served
 
 from firmware_tools.flasher import flash_elf, read_flash
 from firmware_tools.profiles import load_profile
 
 F405 = load_profile("stm32f405")
-
-
-@contextmanager
-def served(url: str, *mode: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """Run `python -m firmware_tools.simulator --pty|--tcp 0 --url URL`; yield its address."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "firmware_tools.simulator", *mode, "--url", url],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        assert line, f"simulator did not start: {proc.stderr.read() if proc.stderr else ''}"
-        yield line, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def stm32flash(*args: str) -> subprocess.CompletedProcess[str]:
