@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.journal import JournalStore, open_journal
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.gguf import GGUFFile
 from edge_agent.runtime.model import Llama, ModelConfig
@@ -144,3 +145,11 @@ def prepared_f32_path(prepared_state_dir: Path, model_path: Path) -> Path:
     path = find_prepared(model_path, prepared_state_dir, "f32")
     assert path is not None
     return path
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[JournalStore]:
+    """A fresh journal store in tmp_path whose clock stands still at t = 1000.0."""
+    s = JournalStore(open_journal(tmp_path / "j.sqlite3"), clock=lambda: 1000.0)
+    yield s
+    s.close()

@@ -23,7 +23,22 @@ from daemon_proc import REPO, Daemon, serve_argv, spawn, stop  # noqa: E402
 
 __all__ = ["Daemon", "REPO", "write_config", "start", "kill", "journal_tokens",
            "link_prepared", "tiny_gguf", "wait_done", "references", "sessions_history",
-           "check_journal", "crash_run", "crash_world"]
+           "check_journal", "crash_run", "crash_world", "fill_journal"]
+
+
+def fill_journal(path: Path, n: int = 200, *, synchronous: str | None = None) -> None:
+    """A journal with `n` open requests of 20 tokens each (enough rows to span many pages),
+    checkpointed into the main file."""
+    from edge_agent.journal import JournalStore, open_journal
+
+    store = JournalStore(open_journal(path) if synchronous is None
+                         else open_journal(path, synchronous=synchronous))
+    for i in range(n):
+        store.add_request(id=f"r{i}", model="m", input={"prompt": "x" * 200},
+                          prompt_ids=list(range(50)), params={"seed": i})
+        store.append_tokens([(f"r{i}", k, k, k) for k in range(20)])
+    store.checkpoint()
+    store.close()
 
 
 def write_config(root: Path, state: Path, models: dict[str, tuple[Path | None, bool]], *,

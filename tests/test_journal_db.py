@@ -7,6 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from journal_harness import fill_journal
 
 from edge_agent.errors import EXIT_CONFIG
 from edge_agent.journal import (
@@ -19,17 +20,6 @@ from edge_agent.journal import (
     check_integrity,
     open_journal,
 )
-
-
-def _fill(path: Path, n: int = 200) -> None:
-    """A journal with enough rows to span many pages, checkpointed into the main file."""
-    store = JournalStore(open_journal(path))
-    for i in range(n):
-        store.add_request(id=f"r{i}", model="m", input={"prompt": "x" * 200},
-                          prompt_ids=list(range(50)), params={"seed": i})
-        store.append_tokens([(f"r{i}", k, k, k) for k in range(20)])
-    store.checkpoint()
-    store.close()
 
 
 def test_every_open_sets_wal_and_synchronous_full(tmp_path: Path) -> None:
@@ -123,7 +113,7 @@ def test_garbage_file_is_quarantined(tmp_path: Path) -> None:
 
 def test_truncated_file_is_quarantined(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
-    _fill(path)
+    fill_journal(path)
     data = path.read_bytes()[: os.path.getsize(path) // 2]
     path.write_bytes(data)
     _assert_quarantined(tmp_path, path, data, "malformed")
@@ -131,7 +121,7 @@ def test_truncated_file_is_quarantined(tmp_path: Path) -> None:
 
 def test_damaged_page_is_quarantined(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
-    _fill(path)
+    fill_journal(path)
     raw = sqlite3.connect(path)
     root = raw.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tokens'").fetchone()[0]
     page_size = raw.execute("PRAGMA page_size").fetchone()[0]
@@ -144,7 +134,7 @@ def test_damaged_page_is_quarantined(tmp_path: Path) -> None:
 
 def test_damaged_cells_found_by_quick_check(tmp_path: Path) -> None:
     path = tmp_path / "j.sqlite3"
-    _fill(path)
+    fill_journal(path)
     with open(path, "r+b") as fh:  # a page's cell area, header intact: only a check finds it
         fh.seek(4096 * 5 + 100)
         fh.write(bytes((i * 37 + 11) % 256 for i in range(3000)))
@@ -228,7 +218,7 @@ def test_readonly_open(tmp_path: Path) -> None:
         open_journal(path, readonly=True)
     assert f"no journal at {path}" in str(err.value) and "Hint:" in str(err.value)
     assert not path.exists()
-    _fill(path, 3)
+    fill_journal(path, 3)
     j = open_journal(path, readonly=True)
     assert j.readonly
     assert JournalStore(j).get_request("r1") is not None

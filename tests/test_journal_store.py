@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,6 @@ from edge_agent.journal import (
     check_integrity,
     open_journal,
 )
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[JournalStore]:
-    s = JournalStore(open_journal(tmp_path / "j.sqlite3"), clock=lambda: 1000.0)
-    yield s
-    s.close()
 
 
 def _add(store: JournalStore, rid: str, **kw: object) -> None:
