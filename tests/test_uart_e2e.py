@@ -187,6 +187,16 @@ def test_console_session_prompt_gen_ctrl_c_chat(served: Served) -> None:
     assert len(reply.strip()) > len(b"Name three colours.") + 2
     pty.send(b"/exit\r")
     assert b"chat ended" in pty.expect(b"edge> ")
+    # unload / load from the console: the same waits as POST /v1/models/NAME/(un)load
+    pty.send(b"unload smollm2\r")
+    assert b"smollm2: unloaded" in pty.expect(b"edge> ", timeout=60)
+    assert served.health()["models"]["smollm2"]["runner_pid"] is None
+    pty.send(b"load smollm2\r")
+    out = pty.expect(b"edge> ", timeout=120)
+    assert b"smollm2: idle" in out or b"smollm2: serving" in out, out  # loaded, nothing to do
+    assert served.health()["models"]["smollm2"]["runner_pid"] is not None
+    pty.send(b"load nope\r")
+    assert b"no model named 'nope'" in pty.expect(b"edge> ")
 
 
 def test_noise_and_garbage_then_the_console_carries_on(served: Served) -> None:

@@ -29,7 +29,6 @@ from edge_agent.protocol.api import (
     parse_generation,
     sse_event,
 )
-from edge_agent.scheduler import ModelState
 from edge_agent.transports.http import Request, Response, StreamResponse
 
 if TYPE_CHECKING:
@@ -171,19 +170,11 @@ class Router:
             raise ApiError(404, "model_not_found", f"no model named {name!r}. Hint: GET "
                            "/v1/models lists them.")
         if action == "load":
-            if not svc.lifecycle.can_serve:
-                svc.load_requested = True
-                svc.poke()
-                while not svc.lifecycle.can_serve:
-                    await self.d.wait_settled()
-                    if svc.lifecycle.state is ModelState.FAILED:
-                        raise ApiError(503, "model_failed", svc.lifecycle.reason or "load failed")
+            failed = await svc.load_and_wait()
+            if failed is not None:
+                raise ApiError(503, "model_failed", failed)
         else:
-            if svc.lifecycle.resident:
-                svc.unload_requested = True
-                svc.poke()
-                while svc.lifecycle.resident:
-                    await self.d.wait_settled()
+            await svc.unload_and_wait()
         return _json(200, svc.to_dict())
 
     # -- generation ----------------------------------------------------------------------------

@@ -114,6 +114,26 @@ class ModelService:
     def poke(self) -> None:
         self.wake.set()
 
+    async def load_and_wait(self) -> str | None:
+        """Ask for a load (unless it already serves) and wait until it can serve; the reason
+        when the load failed instead, else None. (The HTTP and UART `load` commands.)"""
+        if not self.lifecycle.can_serve:
+            self.load_requested = True
+            self.poke()
+            while not self.lifecycle.can_serve:
+                await self.daemon.wait_settled()
+                if self.lifecycle.state is ModelState.FAILED:
+                    return self.lifecycle.reason or "load failed"
+        return None
+
+    async def unload_and_wait(self) -> None:
+        """Ask for an unload (when resident) and wait until the weights are gone."""
+        if self.lifecycle.resident:
+            self.unload_requested = True
+            self.poke()
+            while self.lifecycle.resident:
+                await self.daemon.wait_settled()
+
     def to_dict(self) -> dict[str, Any]:
         d = self.lifecycle.to_dict()
         d.update({

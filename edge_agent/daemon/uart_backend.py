@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.protocol.api import ApiError, parse_generation
-from edge_agent.scheduler import ModelState
 from edge_agent.transports.serial_link import LinkSettings
 from edge_agent.transports.uart import (
     BackendError,
@@ -116,23 +115,14 @@ class DaemonBackend:
 
     async def load(self, name: str) -> str:
         svc = self._service(name)
-        if not svc.lifecycle.can_serve:
-            svc.load_requested = True
-            svc.poke()
-            while not svc.lifecycle.can_serve:
-                await self.d.wait_settled()
-                if svc.lifecycle.state is ModelState.FAILED:
-                    raise BackendError("model_failed", f"model {name}: "
-                                       f"{svc.lifecycle.reason or 'load failed'}")
+        failed = await svc.load_and_wait()
+        if failed is not None:
+            raise BackendError("model_failed", f"model {name}: {failed}")
         return f"{name}: {svc.lifecycle.state.value}"
 
     async def unload(self, name: str) -> str:
         svc = self._service(name)
-        if svc.lifecycle.resident:
-            svc.unload_requested = True
-            svc.poke()
-            while svc.lifecycle.resident:
-                await self.d.wait_settled()
+        await svc.unload_and_wait()
         return f"{name}: {svc.lifecycle.state.value}"
 
     def jobs(self) -> list[dict[str, Any]]:
