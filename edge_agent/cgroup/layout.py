@@ -154,6 +154,10 @@ class CgroupManager:
     def _rel(self, *parts: str) -> str:
         return "/".join(p for p in (self.base, *parts) if p)
 
+    def file(self, *parts: str, name: str) -> Path:
+        """File `name` of the group PARTS under our base (e.g. supervisor/memory.pressure)."""
+        return self.fs.path(self._rel(*parts), name)
+
     # ----- plans ------------------------------------------------------------------------------
 
     def plan_setup(self, policy: Policy) -> list[Op]:

@@ -129,7 +129,7 @@ class MemoryGuard:
     def _start_pressure(self, loop: asyncio.AbstractEventLoop) -> None:
         leaves: list[tuple[str, Path]] = []
         if self.mgr is not None and self.mgr.available:
-            leaves = [(leaf, self.mgr.fs.path(self.mgr._rel(leaf), "memory.pressure"))
+            leaves = [(leaf, self.mgr.file(leaf, name="memory.pressure"))
                       for leaf in (SUPERVISOR, MODELS)]
         self.psi.start(loop, self.d.env, self.pressure_file, leaves)
 
