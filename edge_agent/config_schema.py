@@ -223,7 +223,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "queue_max": Key(_int(1, 100_000), "64", "requests admitted at once (queued + running, "
                          "all models); beyond: HTTP 503 + Retry-After"),
         "max_batch_size": Key(_int(1, 256), "8", "sequences decoded together per model"),
-        "batch_window_ms": Key(_float(0, 10_000), "5", "how long a lone request waits for company"),
+        "batch_window_ms": Key(_float(0, 10_000), "5", "how long a lone request waits for "
+                               "company (each arrival extends it, at most 4 windows)"),
         "default_timeout_ms": Key(_float(1, 7 * 24 * 3600 * 1000, none_word="none"), "120000",
                                   "deadline of a request that sets none (\"none\": no deadline)"),
         "starvation_age_s": Key(_float(0.001, 86400), "10", "longest a priority level waits "

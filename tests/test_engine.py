@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from edge_agent.errors import EdgeAgentError
-from edge_agent.runtime.engine import Engine, EngineError, blas_info
+from edge_agent.runtime.engine import Engine, EngineError, NewSeq, blas_info
+from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
 from edge_agent.runtime.sampling import SamplingParams
 
 STEPS = 10
@@ -162,3 +164,91 @@ def test_engine_load_serves_the_prepared_pinned_weights(prepared_state_dir, refe
     finally:
         e.close()
     assert e.weights is None
+
+
+def test_prompts_added_together_decode_as_one_at_a_time(engine, tokenizer, monkeypatch):
+    requests = _requests(tokenizer)
+    alone = []
+    for ids, params in requests:
+        first = engine.add("solo", ids, params)
+        alone.append([first] + [engine.step(["solo"])["solo"] for _ in range(STEPS)])
+        engine.release("solo")
+
+    forwards = []
+    real = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda tokens, *a, **kw: forwards.append(len(tokens)) or
+                        real(tokens, *a, **kw))
+    names = [f"r{i}" for i in range(len(requests))]
+    first, errors = engine.add_many(
+        [NewSeq(n, ids, p) for n, (ids, p) in zip(names, requests, strict=True)])
+    assert errors == {}
+    assert len(forwards) < len(requests) and max(forwards) > 1  # prompts shared a forward
+    # blocks held for padding went back: each sequence holds exactly its prompt's blocks
+    for n, (ids, _) in zip(names, requests, strict=True):
+        assert engine.length(n) == len(ids)
+        assert len(engine._seqs[n].table.blocks) == blocks_for(len(ids))
+    together = {n: [first[n]] for n in names}
+    for _ in range(STEPS):
+        for n, token in engine.step(names).items():
+            together[n].append(token)
+    assert [together[n] for n in names] == alone
+    for n in names:
+        engine.release(n)
+    assert engine.free_blocks == engine.pool.n_blocks
+
+
+def test_add_many_names_each_bad_sequence_and_adds_the_rest(engine):
+    p = SamplingParams()
+    engine.add("old", [1, 2, 3], p)
+    first, errors = engine.add_many([
+        NewSeq("ok1", [5, 6, 7], p), NewSeq("old", [4], p), NewSeq("empty", [], p),
+        NewSeq("vocab", [5, 49152], p), NewSeq("ok2", [9, 10], p), NewSeq("ok3", [8], p),
+        NewSeq("full", [11], p),
+    ])
+    assert sorted(first) == ["ok1", "ok2", "ok3"]
+    assert {k: type(v) for k, v in errors.items()} == dict.fromkeys(
+        ["old", "empty", "vocab", "full"], EngineError)
+    assert sorted(engine.active) == ["ok1", "ok2", "ok3", "old"]
+    assert engine.length("ok1") == 3 and engine.length("ok2") == 2
+    assert "already active" in str(errors["old"]) and "empty prompt" in str(errors["empty"])
+    assert "outside the vocabulary" in str(errors["vocab"])
+    assert "max_batch is 4; cannot add 'full'" in str(errors["full"])
+    engine.release("ok3")
+    with pytest.raises(EngineError, match=r"got a sequence id twice in \['x', 'x'\]"):
+        engine.add_many([NewSeq("x", [1], p), NewSeq("x", [2], p)])
+    assert sorted(engine.active) == ["ok1", "ok2", "old"]  # nothing was added
+
+
+def test_add_many_without_room_for_padding_adds_one_by_one(engine):
+    pool = engine.pool
+    hog = BlockTable()
+    pool.grow(hog, (pool.n_blocks - 2) * pool.block_size)  # leave 2 free blocks
+    p = SamplingParams()
+    first, errors = engine.add_many([NewSeq("long", list(range(100, 130)), p),
+                                     NewSeq("short", list(range(200, 217)), p)])
+    # one group (13 pads); padded it needs 2 x 2 blocks: the shorter goes alone and fits
+    assert list(first) == ["short"] and list(errors) == ["long"]
+    assert isinstance(errors["long"], KVCacheExhaustedError)
+    assert engine.free_blocks == 0 and engine.active == ["short"]
+    engine.release("short")
+    pool.release(hog)
+    assert engine.free_blocks == pool.n_blocks
+
+
+def test_prefill_many_matches_one_prompt_at_a_time(llama_f32):
+    prompts = [list(range(300, 305)), list(range(400, 412)), [77], list(range(500, 510))]
+    pool = llama_f32.new_pool(16)
+    alone = np.stack([llama_f32.prefill(ids, BlockTable(), pool) for ids in prompts])
+    assert pool.free_blocks == 16 - sum(blocks_for(len(ids)) for ids in prompts)
+    pool = llama_f32.new_pool(16)
+    tables = [BlockTable() for _ in prompts]
+    together = llama_f32.prefill_many(prompts, tables, pool, chunk=5)  # 3 chunks, ragged rows
+    np.testing.assert_allclose(together, alone, rtol=0, atol=2e-4)
+    assert [t.length for t in tables] == [len(ids) for ids in prompts]
+    assert [len(t.blocks) for t in tables] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"lengths \[0, 1\] for 2 rows of 3 tokens"):
+        llama_f32.forward(np.zeros((2, 3), dtype=np.intp), [BlockTable(), BlockTable()], pool,
+                          lengths=[0, 1])
+    with pytest.raises(ValueError, match="one non-empty prompt per table"):
+        llama_f32.prefill_many([[1], []], [BlockTable(), BlockTable()], pool)

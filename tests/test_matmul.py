@@ -10,12 +10,13 @@ from edge_agent.runtime.matmul import as_f32, matmul_wt
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 13, 24, 25, 64])
 @pytest.mark.parametrize("slabs", [False, True])
-def test_product_equals_x_times_w_transposed(n: int, slabs: bool) -> None:
+@pytest.mark.parametrize("rows", [1000, 1152])  # a ragged last slab; whole slabs at N = 8
+def test_product_equals_x_times_w_transposed(n: int, slabs: bool, rows: int) -> None:
     rng = np.random.default_rng(n)
-    w = rng.standard_normal((1000, 96)).astype(np.float32)  # 1000 rows: a ragged last slab
+    w = rng.standard_normal((rows, 96)).astype(np.float32)
     x = rng.standard_normal((n, 96)).astype(np.float32)
     got = matmul_wt(x, w, slabs=slabs)
-    assert got.shape == (n, 1000) and got.dtype == np.float32
+    assert got.shape == (n, rows) and got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64),
                                rtol=0, atol=1e-4)
     if slabs and 2 <= n <= 24:  # slab results are written C-contiguous (no transposing copy)

@@ -20,6 +20,7 @@ from edge_agent.scheduler import (
     SchedulerConfig,
     UnknownJob,
 )
+from edge_agent.scheduler.queue import WINDOW_CAP
 
 WINDOW_S = 0.005
 
@@ -174,9 +175,19 @@ def test_lone_job_waits_at_most_the_batch_window_when_nothing_runs() -> None:
     assert s.next_wakeup(100.0) == pytest.approx(100.0 + WINDOW_S)
     assert s.take("m", 8, 100.004) == []
     s.submit(job("b"), 100.002)  # company arrives within the window: still waiting for more
-    assert s.take("m", 8, 100.004) == []
-    assert ids(s.take("m", 8, 100.005)) == ["a", "b"]  # the window of the oldest is over
-    assert s.next_wakeup(100.005) is None
+    assert s.take("m", 8, 100.005) == []  # each arrival extends the wait by one window...
+    assert s.next_wakeup(100.005) == pytest.approx(100.007)
+    assert ids(s.take("m", 8, 100.007)) == ["a", "b"]  # ...and no one came in that window
+    assert s.next_wakeup(100.007) is None
+
+
+def test_a_burst_of_arrivals_waits_at_most_window_cap_windows() -> None:
+    s = sched(batch_window_ms=5)
+    for i in range(6):  # one every 4 ms: each within a window of the previous
+        s.submit(job(f"j{i}"), 100.0 + 0.004 * i)
+    assert s.take("m", 8, 100.0199) == []
+    assert s.next_wakeup(100.0199) == pytest.approx(100.0 + WINDOW_CAP * WINDOW_S)
+    assert ids(s.take("m", 8, 100.020)) == [f"j{i}" for i in range(6)]
 
 
 def test_job_joins_at_once_when_a_batch_is_running() -> None:
@@ -481,8 +492,9 @@ def test_random_operations_keep_invariants(seed: int) -> None:
                 assert len(got) == min(room, len(order))
             elif room > 0 and order:  # waiting only for the batch window
                 assert running_before == 0 and len(order) < room
-                first = min(j.queued_at or 0.0 for j in s.peek(m, now))
-                assert now < first + cfg.batch_window_ms / 1000
+                arrived = [j.queued_at or 0.0 for j in s.peek(m, now)]
+                window = cfg.batch_window_ms / 1000
+                assert now < min(max(arrived) + window, min(arrived) + WINDOW_CAP * window)
             assert all(j.state is JobState.RUNNING and j.started_at == now for j in got)
         elif op < 0.65:
             live = [j for j in accepted.values() if not j.finished]

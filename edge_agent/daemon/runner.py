@@ -74,15 +74,19 @@ def _step(engine: Any, msg: dict[str, Any]) -> dict[str, Any]:
             engine.release(sid)
         except (KeyError, EdgeAgentError):
             pass
-    tokens: dict[str, int] = {}
+    from edge_agent.runtime.engine import NewSeq
+
+    new = []
     errors: dict[str, str] = {}
     for add in msg.get("add", ()):
         try:
-            tokens[add["id"]] = int(engine.add(add["id"], list(add["prompt"]),
-                                               _params(add["params"]),
-                                               generated=list(add.get("generated", ()))))
-        except EdgeAgentError as exc:
+            new.append(NewSeq(add["id"], list(add["prompt"]), _params(add["params"]),
+                              list(add.get("generated", ()))))
+        except (TypeError, ValueError, EdgeAgentError) as exc:
             errors[add["id"]] = str(exc)
+    added, failed = engine.add_many(new)  # similar-length prompts share one forward
+    tokens = {sid: int(tok) for sid, tok in added.items()}
+    errors.update((sid, str(exc)) for sid, exc in failed.items())
     step_ids = [s for s in msg.get("step", ()) if s not in errors]
     if step_ids:
         try:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
     from edge_agent.runtime.weights import PinnedWeights
 
-__all__ = ["Engine", "EngineError", "DEFAULT_THREADS", "blas_info", "greedy_ids"]
+__all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "greedy_ids"]
 
 # One BLAS thread: on a shared 2-core board, 2 threads collapse under contention (MEASURED.md);
 # batching, not threads, is where the throughput comes from.
@@ -59,6 +59,35 @@ def blas_info() -> list[dict[str, Any]]:
     """threadpoolctl's view of the BLAS libraries (kernel `architecture`, `num_threads`)."""
     ctl = _controller()
     return [] if ctl is None else [i for i in ctl.info() if i.get("user_api") == "blas"]
+
+
+@dataclass(frozen=True)
+class NewSeq:
+    """A sequence for `Engine.add_many`: its id, prompt, sampling and already generated ids."""
+
+    seq_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    generated: Sequence[int] = ()
+
+
+# Prompts prefilled together are padded to the group's longest. A forward's fixed cost (the
+# weights streamed once) is worth about this many prompt tokens here (a batch-1 decode step
+# ~55 ms, each further prompt row ~2.6 ms, thread CPU time): a prompt joins the group while the
+# padding it adds stays below that.
+_PAD_BUDGET = 16
+
+
+def _groups(ready: list[tuple[NewSeq, list[int]]]) -> list[list[tuple[NewSeq, list[int]]]]:
+    """Split prompts, by length, into groups whose padding costs less than separate forwards."""
+    groups: list[list[tuple[NewSeq, list[int]]]] = []
+    for item in sorted(ready, key=lambda it: len(it[1])):
+        cur = groups[-1] if groups else None
+        if cur is not None and (len(item[1]) - len(cur[-1][1])) * len(cur) <= _PAD_BUDGET:
+            cur.append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 @dataclass
@@ -191,20 +220,63 @@ class Engine:
         the journal after a restart), prompt + generated are prefilled and the token returned
         is generation index len(generated), sampled with the same (seed, position) randomness
         an uninterrupted run uses there: the sequence continues where it stopped."""
+        tokens, errors = self.add_many([NewSeq(seq_id, prompt_ids, params, generated)])
+        if errors:
+            raise errors[seq_id]
+        return tokens[seq_id]
+
+    def add_many(
+        self, new: Sequence[NewSeq]
+    ) -> tuple[dict[str, int], dict[str, EdgeAgentError]]:
+        """`add` for several sequences at once: (first token by id, error by id).
+
+        A sequence that cannot be added (bad ids, too long, batch full, no KV blocks) gets its
+        error and the others go on. Prompts of similar length are prefilled together, one
+        forward for the group (`Llama.prefill_many`): the weights are read once for all of
+        them, which is most of a short prompt's cost."""
+        tokens: dict[str, int] = {}
+        errors: dict[str, EdgeAgentError] = {}
+        ids = [seq.seq_id for seq in new]
+        if len(set(ids)) != len(ids):
+            raise EngineError(f"engine: add_many() got a sequence id twice in {ids!r}. "
+                              "Hint: use a new id for each sequence.")
+        ready: list[tuple[NewSeq, list[int]]] = []
+        for seq in new:
+            try:
+                ready.append((seq, self._check_new(seq, len(ready))))
+            except EngineError as exc:
+                errors[seq.seq_id] = exc
+        for group in _groups(ready):
+            width = max(len(ids) for _, ids in group)
+            if len(group) > 1 and blocks_for(width) * len(group) > self.pool.free_blocks:
+                group_parts = [[one] for one in group]  # padding does not fit: one by one
+            else:
+                group_parts = [group]
+            for part in group_parts:
+                try:
+                    self._prefill(part, tokens)
+                except KVCacheExhaustedError as exc:
+                    for seq, _ in part:
+                        errors[seq.seq_id] = exc
+        return tokens, errors
+
+    def _check_new(self, seq: NewSeq, pending: int) -> list[int]:
+        seq_id = seq.seq_id
         if seq_id in self._seqs:
             raise EngineError(f"engine: sequence {seq_id!r} is already active. Hint: release() "
                               "it first or use a new id.")
-        if len(self._seqs) >= self.max_batch:
+        if len(self._seqs) + pending >= self.max_batch:
             raise EngineError(
-                f"engine: {len(self._seqs)} sequences active, max_batch is {self.max_batch}; "
-                f"cannot add {seq_id!r}. Hint: wait for one to finish or raise max_batch."
+                f"engine: {len(self._seqs) + pending} sequences active, max_batch is "
+                f"{self.max_batch}; cannot add {seq_id!r}. Hint: wait for one to finish or "
+                "raise max_batch."
             )
-        ids = [int(i) for i in prompt_ids]
+        ids = [int(i) for i in seq.prompt_ids]
         if not ids:
             raise EngineError(f"engine: sequence {seq_id!r} has an empty prompt. Hint: pass at "
                               "least one token id.")
-        done = len(generated)
-        ids += [int(i) for i in generated]
+        done = len(seq.generated)
+        ids += [int(i) for i in seq.generated]
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise EngineError(
@@ -218,16 +290,27 @@ class Engine:
                 + f"; the context is {self.context} and at least one must remain to "
                 "generate. Hint: shorten the prompt or load the model with a larger context."
             )
-        table = BlockTable()
+        return ids
+
+    def _prefill(self, part: list[tuple[NewSeq, list[int]]], tokens: dict[str, int]) -> None:
+        tables = [BlockTable() for _ in part]
         try:
             with self._limits():
-                logits = self.model.prefill(ids, table, self.pool)  # (V,)
+                if len(part) == 1:
+                    rows = self.model.prefill(part[0][1], tables[0], self.pool)[None]  # (1, V)
+                else:
+                    rows = self.model.prefill_many([ids for _, ids in part], tables,
+                                                   self.pool)  # (B, V)
         except BaseException:
-            self.pool.release(table)
+            for table in tables:
+                self.pool.release(table)
             raise
-        token = sample(logits, params, done)
-        self._seqs[seq_id] = _Seq(table=table, params=params, last=token, generated=done + 1)
-        return token
+        for (seq, _), table, logits in zip(part, tables, rows, strict=True):
+            done = len(seq.generated)
+            token = sample(logits, seq.params, done)
+            self._seqs[seq.seq_id] = _Seq(table=table, params=seq.params, last=token,
+                                          generated=done + 1)
+            tokens[seq.seq_id] = token
 
     def step(self, seq_ids: Sequence[str]) -> dict[str, int]:
         """One batched decode step: feed each sequence's last token, sample the next."""

@@ -93,6 +93,12 @@ class BlockPool:
         for _ in range(need):
             table.blocks.append(self._free.pop())
 
+    def shrink(self, table: BlockTable) -> None:
+        """Return the blocks `table` holds beyond its `length` (e.g. held for padding)."""
+        keep = blocks_for(table.length, self.block_size)
+        while len(table.blocks) > keep:
+            self._free.append(table.blocks.pop())
+
     def release(self, table: BlockTable) -> None:
         """Return every block of `table` to the pool and empty it."""
         self._free.extend(reversed(table.blocks))

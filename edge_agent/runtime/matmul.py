@@ -68,7 +68,13 @@ def matmul_wt(x: np.ndarray, w: np.ndarray, *, slabs: bool = False) -> np.ndarra
         if 8 <= rows < n_out:
             xc = np.ascontiguousarray(x)  # (N, in)
             out = np.empty((n, n_out), dtype=np.float32)  # (N, out)
-            for lo in range(0, n_out, rows):
-                np.matmul(xc, w[lo : lo + rows].T, out=out[:, lo : lo + rows])
+            whole = n_out // rows * rows
+            # The S = whole // rows full slabs in one matmul call (numpy loops over them in
+            # C, one BLAS call each) instead of S Python-level calls: ~1,500 fewer per
+            # batch-8 step of the default model. The last, shorter slab (if any) after it.
+            np.matmul(xc[None], w[:whole].reshape(-1, rows, n_in).transpose(0, 2, 1),
+                      out=out[:, :whole].reshape(n, -1, rows).transpose(1, 0, 2))
+            if whole < n_out:
+                np.matmul(xc, w[whole:].T, out=out[:, whole:])
             return out  # (N, out)
     return (w @ x.T).T  # (N, out)

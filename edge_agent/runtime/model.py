@@ -251,17 +251,26 @@ class Llama:
         pool: BlockPool,
         *,
         all_logits: bool = False,
+        lengths: Sequence[int] | None = None,
     ) -> np.ndarray:
         """Run tokens (B, T) appended to the B sequences in `tables` (ragged lengths allowed).
 
         Returns logits (B, T, V) if `all_logits`, else (B, V) for each sequence's last token.
-        Advances each table's `length` by T.
+        Advances each table's `length` by T, or by `lengths[b]` when given: row b then holds
+        lengths[b] real tokens followed by padding. A pad sits at a later position than every
+        real token of its row, so the causal mask already hides it from them; its key/value
+        lands in a slot past the table's new length, which the sequence's next token
+        overwrites, and blocks held only for pads go back to the pool.
         """
         c = self.config
         tokens = np.asarray(tokens, dtype=np.intp)  # (B, T)
         b, t = tokens.shape
         if len(tables) != b:
             raise ValueError(f"forward: {b} token rows for {len(tables)} tables")
+        if lengths is not None:
+            if all_logits or len(lengths) != b or not all(1 <= n <= t for n in lengths):
+                raise ValueError(f"forward: lengths {list(lengths)} for {b} rows of {t} tokens "
+                                 "(each 1..T, and not with all_logits)")
         start = np.array([tab.length for tab in tables], dtype=np.intp)  # (B,)
         end = int(start.max()) + t
         if end > c.context_length:
@@ -323,9 +332,17 @@ class Llama:
             ffn *= up
             x += _mm(ffn, layer.w_down, slabs=sl)  # (N, D)
 
-        for tab in tables:
-            tab.length += t
-        if not all_logits:
+        if lengths is None:
+            for tab in tables:
+                tab.length += t
+        else:
+            for tab, n in zip(tables, lengths, strict=True):
+                tab.length += int(n)
+                pool.shrink(tab)
+        if lengths is not None:
+            last = np.asarray(lengths, dtype=np.intp) - 1  # (B,)
+            x = x.reshape(b, t, c.dim)[np.arange(b), last]  # (B, D)
+        elif not all_logits:
             x = x.reshape(b, t, c.dim)[:, -1]  # (B, D)
         logits = _mm(self._rmsnorm(x, self.output_norm), self.output, slabs=sl)  # (B or N, V)
         return logits.reshape(b, t, c.vocab_size) if all_logits else logits
@@ -350,6 +367,39 @@ class Llama:
             part = ids[None, lo : lo + chunk]  # (1, t)
             outs.append(self.forward(part, [table], pool, all_logits=all_logits)[0])
         return np.concatenate(outs) if all_logits else outs[-1]  # (T, V) or (V,)
+
+    def prefill_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        tables: Sequence[BlockTable],
+        pool: BlockPool,
+        *,
+        chunk: int = PREFILL_CHUNK,
+    ) -> np.ndarray:
+        """Several sequences' prompts in shared forwards: logits (B, V), one row per prompt.
+
+        Each forward takes up to `chunk` tokens of every prompt that still has some, padded to
+        the longest (see `forward`'s `lengths`): the weights are streamed once for all of them
+        instead of once per prompt. Callers group prompts of similar length (padding is
+        computed for nothing). Blocks for the padded length must be free during a forward.
+        """
+        ids = [np.asarray(p, dtype=np.intp) for p in prompts]
+        if len(ids) != len(tables) or any(len(p) == 0 for p in ids):
+            raise ValueError("prefill_many: one non-empty prompt per table")
+        out = np.empty((len(ids), self.config.vocab_size), dtype=np.float32)  # (B, V)
+        for lo in range(0, max(len(p) for p in ids), chunk):
+            rows = [i for i, p in enumerate(ids) if len(p) > lo]
+            parts = [ids[i][lo : lo + chunk] for i in rows]
+            t = max(len(p) for p in parts)
+            block = np.zeros((len(rows), t), dtype=np.intp)  # (B', t), pads are token 0
+            for j, p in enumerate(parts):
+                block[j, : len(p)] = p
+            logits = self.forward(block, [tables[i] for i in rows], pool,
+                                  lengths=[len(p) for p in parts])  # (B', V)
+            for j, i in enumerate(rows):
+                if len(ids[i]) <= lo + chunk:  # this chunk held the prompt's last token
+                    out[i] = logits[j]
+        return out  # (B, V)
 
     def decode(
         self, tokens: Sequence[int], tables: Sequence[BlockTable], pool: BlockPool

@@ -14,8 +14,10 @@ Invariants owned here:
   `starvation_age_s`, whatever their priority.
 - Batching: per model, RUNNING jobs never exceed `max_batch_size`, and `take` never returns more
   than `free_slots`. When nothing of that model is running and fewer jobs are queued than the
-  batch could hold, `take` waits until the oldest queued job has waited `batch_window_ms`; it
-  never waits when a batch is already running (new jobs join at the next step).
+  batch could hold, `take` waits until `batch_window_ms` have passed since the newest queued
+  job arrived (company that keeps arriving is gathered: a burst of clients starts as one
+  batch, with one shared prefill), but never longer than WINDOW_CAP windows after the oldest;
+  it never waits when a batch is already running (new jobs join at the next step).
 - Deadlines: `submit` sets `deadline_at` to `now + default_timeout_ms` when the job has none, and
   caps a later one to it (a request may lower its timeout, not raise it). `expire(now)` moves
   every QUEUED or RUNNING job with `deadline_at <= now` to EXPIRED with a message naming how long
@@ -38,6 +40,9 @@ from edge_agent.scheduler.jobs import (
     JobState,
     SchedulerConfig,
 )
+
+# A lone job's wait for company is extended by each arrival, up to this many batch windows.
+WINDOW_CAP = 4
 
 __all__ = ["Scheduler"]
 
@@ -286,8 +291,9 @@ class Scheduler:
         return sorted(jobs, key=lambda j: self._sort_key(j, now))
 
     def _window_end(self, queued: dict[str, Job]) -> float:
-        first = min(j.queued_at for j in queued.values() if j.queued_at is not None)
-        return first + self.config.batch_window_ms / 1000.0
+        times = [j.queued_at for j in queued.values() if j.queued_at is not None]
+        window = self.config.batch_window_ms / 1000.0
+        return min(max(times) + window, min(times) + WINDOW_CAP * window)
 
     def _end(self, job: Job, now: float, state: JobState, error: str | None) -> None:
         where = self._running if job.state is JobState.RUNNING else self._queued
