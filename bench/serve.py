@@ -88,8 +88,9 @@ def pct(xs: list[float], p: int) -> float:
 
 
 def runtime_round(state_dir: Path, c: int, tokens: int) -> dict[str, Any]:
-    """The Engine decoding the same prompts as one batch: prefill each, then batched steps."""
-    from edge_agent.runtime.engine import Engine
+    """The Engine decoding the same prompts as one batch: one add_many (prompts of similar
+    length prefilled together, as the runner does), then batched steps."""
+    from edge_agent.runtime.engine import Engine, NewSeq
     from edge_agent.runtime.sampling import SamplingParams
 
     with Engine.load(state_dir=state_dir, mlock="off", max_batch=c, context=512) as engine:
@@ -98,8 +99,9 @@ def runtime_round(state_dir: Path, c: int, tokens: int) -> dict[str, Any]:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         start = time.perf_counter()
         ids = [f"s{i}" for i in range(c)]
-        for sid, p in zip(ids, prompts(c), strict=True):
-            engine.add(sid, tok.encode(p), params)
+        _, errors = engine.add_many([NewSeq(sid, tok.encode(p), params)
+                                     for sid, p in zip(ids, prompts(c), strict=True)])
+        assert not errors, errors
         for _ in range(tokens - 1):
             engine.step(ids)
         wall = time.perf_counter() - start

@@ -168,6 +168,7 @@ class _Journal:
         self.path = path
         self.on_mark = on_mark
         self.doc: dict[str, Any] = {**head, "sectors": {}}
+        self.loaded = False  # True when an interrupted run's progress was found
         if path is not None and resume and path.exists():
             try:
                 old = json.loads(path.read_text(encoding="utf-8"))
@@ -178,6 +179,7 @@ class _Journal:
                 ) from exc
             if all(old.get(k) == v for k, v in head.items()):
                 self.doc["sectors"] = dict(old.get("sectors", {}))
+                self.loaded = True
 
     def state(self, index: int) -> str | None:
         return self.doc["sectors"].get(str(index))
@@ -300,6 +302,13 @@ def flash_elf(
     head = {"image_sha256": image.sha256, "board": profile.name, "port": port_identity(port_name)}
     journal = _Journal(path, head, resume, on_mark=on_sector)
     result.journal = str(path) if path else None
+    if resume and not journal.loaded:
+        result.warnings.append(
+            f"resume: no progress of an interrupted job for this image, board and port in "
+            f"{Path(state_dir or '.') / 'flash'} (started by the daemon or with another state "
+            "directory, or on another port?): every sector is read first and those that "
+            "already hold the image are skipped; the others are erased and written again"
+        )
     total = sum(j.size for j in jobs)
     report = progress or (lambda done, total, phase: None)
 

@@ -98,11 +98,30 @@ def test_link_drop_then_resume_finishes(fw: firmware.FirmwareBuilder, tmp_path: 
     assert not journals[0].exists()
 
 
+def test_resume_elsewhere_finishes_by_reading_before_erase(
+    fw: firmware.FirmwareBuilder, tmp_path: Path
+) -> None:
+    # Interrupted with one state directory (e.g. the CLI's), resumed with another (the
+    # daemon's): the finished sectors are found by reading them, not rewritten.
+    big = fw.elf("big")
+    state = tmp_path / "flash.bin"
+    with pytest.raises(LinkError, match=r"link dropped"):
+        flash_elf(big, F405, sim(state, "drop_after=400000"), state_dir=tmp_path / "cli",
+                  go=False)
+    result = flash_elf(big, F405, sim(state), state_dir=tmp_path / "daemon", resume=True)
+    image = fw.objcopy_bin("big").read_bytes()
+    assert result.resumed == [] and result.skipped == [0, 1, 2, 3, 4, 5]
+    assert result.erased == [6, 7, 8, 9, 10, 11]
+    assert state.read_bytes()[: len(image)] == image
+    assert any("every sector is read first" in w for w in result.warnings)
+
+
 def test_resume_without_journal_is_a_normal_run(
     fw: firmware.FirmwareBuilder, tmp_path: Path
 ) -> None:
     result = flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin"), state_dir=tmp_path, resume=True)
     assert result.resumed == [] and result.erased == [0]
+    assert any("resume: no progress of an interrupted job" in w for w in result.warnings)
     with pytest.raises(FlashError, match=r"resume: no state directory.*Hint: pass state_dir"):
         flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin"), resume=True)
 
