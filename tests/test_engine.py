@@ -252,3 +252,17 @@ def test_prefill_many_matches_one_prompt_at_a_time(llama_f32):
                           lengths=[0, 1])
     with pytest.raises(ValueError, match="one non-empty prompt per table"):
         llama_f32.prefill_many([[1], []], [BlockTable(), BlockTable()], pool)
+
+
+def test_prefill_groups_bound_the_padding():
+    from edge_agent.runtime.prefill_groups import prefill_groups
+
+    def lengths(*ns: int) -> list[list[int]]:
+        items = [(NewSeq(f"s{i}", [1] * n, SamplingParams()), [1] * n) for i, n in enumerate(ns)]
+        return [[len(ids) for _, ids in g] for g in prefill_groups(items)]
+
+    assert lengths(8, 9, 8, 8, 9, 8, 8, 8) == [[8, 8, 8, 8, 8, 8, 9, 9]]  # 6 pads: one group
+    assert lengths(8, 8, 8, 8, 8, 8, 8, 14) == [[8] * 7, [14]]  # 42 pads: two forwards
+    assert lengths(10, 26) == [[10, 26]]  # 16 pads: still cheaper than a second forward
+    assert lengths(10, 27) == [[10], [27]]
+    assert lengths() == []

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from edge_agent.errors import EdgeAgentError
 from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
 from edge_agent.runtime.model import Llama, ModelConfig
+from edge_agent.runtime.prefill_groups import NewSeq, prefill_groups
 from edge_agent.runtime.sampling import SamplingParams, sample, sample_rows
 
 if TYPE_CHECKING:
@@ -59,35 +60,6 @@ def blas_info() -> list[dict[str, Any]]:
     """threadpoolctl's view of the BLAS libraries (kernel `architecture`, `num_threads`)."""
     ctl = _controller()
     return [] if ctl is None else [i for i in ctl.info() if i.get("user_api") == "blas"]
-
-
-@dataclass(frozen=True)
-class NewSeq:
-    """A sequence for `Engine.add_many`: its id, prompt, sampling and already generated ids."""
-
-    seq_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    generated: Sequence[int] = ()
-
-
-# Prompts prefilled together are padded to the group's longest. A forward's fixed cost (the
-# weights streamed once) is worth about this many prompt tokens here (a batch-1 decode step
-# ~55 ms, each further prompt row ~2.6 ms, thread CPU time): a prompt joins the group while the
-# padding it adds stays below that.
-_PAD_BUDGET = 16
-
-
-def _groups(ready: list[tuple[NewSeq, list[int]]]) -> list[list[tuple[NewSeq, list[int]]]]:
-    """Split prompts, by length, into groups whose padding costs less than separate forwards."""
-    groups: list[list[tuple[NewSeq, list[int]]]] = []
-    for item in sorted(ready, key=lambda it: len(it[1])):
-        cur = groups[-1] if groups else None
-        if cur is not None and (len(item[1]) - len(cur[-1][1])) * len(cur) <= _PAD_BUDGET:
-            cur.append(item)
-        else:
-            groups.append([item])
-    return groups
 
 
 @dataclass
@@ -246,7 +218,7 @@ class Engine:
                 ready.append((seq, self._check_new(seq, len(ready))))
             except EngineError as exc:
                 errors[seq.seq_id] = exc
-        for group in _groups(ready):
+        for group in prefill_groups(ready):
             width = max(len(ids) for _, ids in group)
             if len(group) > 1 and blocks_for(width) * len(group) > self.pool.free_blocks:
                 group_parts = [[one] for one in group]  # padding does not fit: one by one
