@@ -7,29 +7,27 @@ Invariants this module owns:
   is left alone (no erase, no write). Every other covered sector is erased (one erase command
   for all of them), written, then read back and compared (always; there is no switch to skip
   verification).
-- Progress is journaled per sector in `<state_dir>/flash/<key>.json` (key: image sha256 + board +
-  port), written atomically (tmp file, fsync, rename, fsync dir): `erased` after the erase ACK,
+- Progress is kept per sector (firmware_tools/progress.py): `erased` after the erase ACK,
   `verified` after the read-back matched. `resume=True` skips `verified` sectors (and reads them
   back once at the end), continues an `erased` sector without erasing it again when its unwritten
-  blocks still read 0xFF. The file is removed when the job completes.
+  blocks still read 0xFF; without that job's progress it says so and reads before erasing.
 - Go (jump to the image base) is sent only after everything verified.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from firmware_tools.bootloader import Bootloader, Timeouts, open_port
-from firmware_tools.errors import FirmwareError
+from firmware_tools.errors import FlashError
+from firmware_tools.progress import SectorMarked, journal_path, port_identity
+from firmware_tools.progress import SectorProgress as _Journal
 
 __all__ = [
     "FlashError",
@@ -45,13 +43,8 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int, str], None]
-SectorMarked = Callable[[list[int], str], None]  # (sector indexes, new state), live
 BLOCK = 256
 PROBE = 16
-
-
-class FlashError(FirmwareError):
-    """A flashing job that cannot go on (bad arguments, missing state)."""
 
 
 class VerifyError(FlashError):
@@ -122,83 +115,6 @@ def sector_jobs(image: Any, profile: Any) -> list[SectorJob]:
         write = tuple(c for c in plan.write_chunks if sector.start <= c[0] < sector.end)
         jobs.append(SectorJob(sector, check, write))
     return jobs
-
-
-# --- journal ---------------------------------------------------------------------------------
-
-
-def port_identity(port: str) -> str:
-    """The part of a port URL naming the board: fault knobs and options are left out.
-
-    For `stm32sim://` the `state` file is the board's identity (and `chip`, `board`).
-    """
-    parts = urllib.parse.urlsplit(port)
-    if parts.scheme == "stm32sim":
-        q = urllib.parse.parse_qs(parts.query)
-        keep = {k: q[k] for k in ("chip", "board", "state") if k in q}
-        return "stm32sim://?" + urllib.parse.urlencode(sorted(keep.items()), doseq=True)
-    if parts.scheme:
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-    return os.path.realpath(port) if os.path.exists(port) else port
-
-
-def journal_path(state_dir: str | os.PathLike[str], sha256: str, board: str, port: str) -> Path:
-    key = hashlib.sha256(f"{sha256}|{board}|{port_identity(port)}".encode()).hexdigest()[:20]
-    return Path(state_dir) / "flash" / f"{key}.json"
-
-
-def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
-
-
-class _Journal:
-    def __init__(self, path: Path | None, head: dict[str, Any], resume: bool,
-                 on_mark: SectorMarked | None = None) -> None:
-        self.path = path
-        self.on_mark = on_mark
-        self.doc: dict[str, Any] = {**head, "sectors": {}}
-        self.loaded = False  # True when an interrupted run's progress was found
-        if path is not None and resume and path.exists():
-            try:
-                old = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise FlashError(
-                    f"resume: progress file {path} is unreadable ({exc}). "
-                    "Hint: delete it and flash without --resume."
-                ) from exc
-            if all(old.get(k) == v for k, v in head.items()):
-                self.doc["sectors"] = dict(old.get("sectors", {}))
-                self.loaded = True
-
-    def state(self, index: int) -> str | None:
-        return self.doc["sectors"].get(str(index))
-
-    def mark(self, index: int, state: str) -> None:
-        self.mark_many([index], state)
-
-    def mark_many(self, indexes: list[int], state: str) -> None:
-        for index in indexes:
-            self.doc["sectors"][str(index)] = state
-        self.doc["updated"] = time.time()
-        if self.path is not None:
-            _write_atomic(self.path, self.doc)
-        if self.on_mark is not None:  # after the progress file: the caller's record follows it
-            self.on_mark(list(indexes), state)
-
-    def done(self) -> None:
-        if self.path is not None and self.path.exists():
-            self.path.unlink()
 
 
 # --- the job ---------------------------------------------------------------------------------
