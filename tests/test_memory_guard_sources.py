@@ -193,3 +193,34 @@ def test_a_refused_leaf_is_polled_while_the_other_is_armed(
     assert (f"memory pressure: polling {root / 'supervisor' / 'memory.pressure'} (some avg10 "
             ">= 15%) every 0.02 s instead of a trigger: armed ") in err
     assert f"{root / 'supervisor' / 'memory.pressure'} (supervisor): EPERM" in err
+
+
+def _psi(path: Path, avg10: float, total_us: int) -> None:
+    path.write_text(f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={total_us}\n"
+                    f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+
+
+def test_release_measures_the_stall_share_since_the_last_event(tmp_path: Path) -> None:
+    from edge_agent.cgroup import Trigger
+    from edge_agent.daemon.pressure_sources import RATE_MIN_S, PressureSources
+
+    psi = tmp_path / "memory.pressure"
+    src = PressureSources(Trigger("some", 300_000, 2_000_000), log=print,  # 15 %
+                          on_hit=lambda detail: None, stopping=lambda: False)
+    src.service_file = psi
+    _psi(psi, 40.0, 5_000_000)
+    assert src.still_high(100.0)  # no mark yet: avg10 (40 % >= 15 %) decides
+    _psi(psi, 40.0, 7_000_000)
+    src.mark(200.0)  # a pressure event
+    # 5 s later avg10 still says 30 %, but the counter grew 0.1 s: a 2 % share, pressure is over
+    _psi(psi, 30.0, 7_100_000)
+    assert not src.still_high(205.0)
+    _psi(psi, 25.0, 8_100_000)  # 1 s of stall in the next 5 s: 20 %, still high
+    assert src.still_high(210.0)
+    _psi(psi, 1.0, 9_100_000)  # too soon to measure a share: avg10 decides, the mark stays
+    assert not src.still_high(210.0 + RATE_MIN_S / 2)
+    assert src.still_high(215.0)  # 1 s in the 5 s since 210: 20 %
+    _psi(psi, 50.0, 10)  # the counter restarted (a new group): avg10 decides
+    assert src.still_high(220.0)
+    psi.unlink()  # unreadable: nothing says pressure is high
+    assert not src.still_high(225.0)

@@ -370,6 +370,9 @@ def test_the_stages_walk_back_one_hold_at_a_time_after_the_hog(result: dict[str,
     at = [hist[peak_i][2]] + [t for _, _, t in down]
     assert all(b - a >= HOLD_S - 0.05 for a, b in zip(at, at[1:], strict=False)), hist
     assert down[0][2] >= result["hog_stop"]  # released only once the hog was gone
+    # ...and soon after: the release measures the stall share since the last event from the
+    # PSI total (it falls to ~0 at once), not avg10 (which took ~25 s to decay here).
+    assert down[0][2] - result["hog_stop"] <= 2 * HOLD_S + 2.0, hist
     assert result["final_stage"] == 0
 
 

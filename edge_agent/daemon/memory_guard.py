@@ -258,6 +258,7 @@ class MemoryGuard:
     # -- pressure ------------------------------------------------------------------------------
     def _pressure_hit(self, detail: str = "PSI trigger fired") -> None:
         now = time.monotonic()
+        self.psi.mark(now)  # a release measures the stall share from here
         t = self.stages.on_pressure(now, detail)
         if t is not None:
             self._changed(t)
@@ -266,7 +267,7 @@ class MemoryGuard:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        t = self.stages.tick(now, still_high=self.psi.still_high())
+        t = self.stages.tick(now, still_high=self.psi.still_high(now))
         if t is not None:
             self._changed(t)
         self._schedule_release(now)

@@ -14,6 +14,9 @@ Invariants owned here:
 - A readiness on any source, or a polled reading at or above the threshold, is one pressure
   event (`on_hit(detail)`); each source counts its own events for /health and /metrics.
 - A source that closes or errors is dropped with a log line; the others keep working.
+- "Still high" (may a stage be released?) is the stall share measured from the `total`
+  counter since the last pressure event or reading, at least RATE_MIN_S apart: it drops to 0
+  as soon as stalls stop, where avg10 (the fallback for a first reading) decays for ~20 s.
 - Only `start()` raises (ConfigError: a bad $MEMORY_PRESSURE_WRITE). After arming it drops
   CAP_SYS_RESOURCE when the unit granted it ambiently (caps.py): it is needed only to arm.
 """
@@ -35,6 +38,7 @@ from edge_agent.cgroup.psi import ENV_WATCH, has_cap_sys_resource
 __all__ = ["PressureSources", "Source", "PSI_POLL_S", "KIND_HELP"]
 
 PSI_POLL_S = 2.0  # memory.pressure poll period when no trigger can be armed
+RATE_MIN_S = 0.5  # shortest interval a stall share is measured over (else avg10 is used)
 KIND_HELP = ("psi = a kernel PSI trigger woken by POLLPRI; fifo/socket = systemd's "
              "$MEMORY_PRESSURE_WATCH; poll = avg10 read every 2 s because no trigger could be "
              "armed")
@@ -74,6 +78,7 @@ class PressureSources:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._readers: dict[int, Source] = {}
+        self._mark: tuple[float, int] | None = None  # (monotonic s, stall total µs) for release
 
     # -- arming --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, env: Mapping[str, str],
@@ -246,11 +251,41 @@ class PressureSources:
         some = self.trigger.kind == "some"
         return (stats.some_avg10 if some else (stats.full_avg10 or 0.0)) >= self.threshold()
 
-    def still_high(self) -> bool:
-        """A reading says pressure is not over: the service's file (it aggregates every leaf),
-        else the first polled one."""
-        polled = next((s.path for s in self.sources if s.kind == "poll"), None)
-        return self.above(self.service_file or polled)
+    def _release_file(self) -> Path | None:
+        """The file release decisions read: the service's (it aggregates every leaf), else the
+        first polled one."""
+        return self.service_file or next((s.path for s in self.sources if s.kind == "poll"), None)
+
+    def _stall_total(self, stats: Any) -> int:
+        return stats.some_total_us if self.trigger.kind == "some" else (stats.full_total_us or 0)
+
+    def mark(self, now: float) -> None:
+        """Remember the stall total at a pressure event: the next `still_high` measures from
+        here."""
+        path = self._release_file()
+        try:
+            self._mark = None if path is None else (now, self._stall_total(read_pressure(path)))
+        except CgroupError:
+            self._mark = None
+
+    def still_high(self, now: float) -> bool:
+        """Pressure is not over: the stall share since the last mark or reading (if at least
+        RATE_MIN_S ago, else avg10) is at or above the trigger's share."""
+        path = self._release_file()
+        if path is None:
+            return False
+        try:
+            stats = read_pressure(path)
+        except CgroupError:
+            return False
+        total, prev = self._stall_total(stats), self._mark
+        if prev is not None and now - prev[0] < RATE_MIN_S:
+            return self.above(path)  # too short to measure a share: leave the mark in place
+        self._mark = (now, total)
+        if prev is None or total < prev[1]:  # no mark yet (or the counter restarted)
+            return self.above(path)
+        share = 100.0 * (total - prev[1]) / ((now - prev[0]) * 1e6)
+        return share >= self.threshold()
 
     # -- reporting -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
