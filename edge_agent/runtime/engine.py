@@ -208,9 +208,9 @@ class Engine:
         them, which is most of a short prompt's cost."""
         tokens: dict[str, int] = {}
         errors: dict[str, EdgeAgentError] = {}
-        ids = [seq.seq_id for seq in new]
-        if len(set(ids)) != len(ids):
-            raise EngineError(f"engine: add_many() got a sequence id twice in {ids!r}. "
+        seq_ids = [seq.seq_id for seq in new]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise EngineError(f"engine: add_many() got a sequence id twice in {seq_ids!r}. "
                               "Hint: use a new id for each sequence.")
         ready: list[tuple[NewSeq, list[int]]] = []
         for seq in new:
@@ -219,7 +219,7 @@ class Engine:
             except EngineError as exc:
                 errors[seq.seq_id] = exc
         for group in prefill_groups(ready):
-            width = max(len(ids) for _, ids in group)
+            width = max(len(prompt) for _, prompt in group)
             if len(group) > 1 and blocks_for(width) * len(group) > self.pool.free_blocks:
                 group_parts = [[one] for one in group]  # padding does not fit: one by one
             else:
