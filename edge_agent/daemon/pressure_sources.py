@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_agent.cgroup import CgroupError, PressureWatcher, Trigger, read_pressure
+from edge_agent.cgroup import (
+    CgroupError,
+    PressureStats,
+    PressureWatcher,
+    Trigger,
+    read_pressure,
+)
 from edge_agent.cgroup.caps import CAP_SYS_RESOURCE, drop_ambient
 from edge_agent.cgroup.fs import errno_name
 from edge_agent.cgroup.psi import ENV_WATCH, has_cap_sys_resource
@@ -240,50 +246,49 @@ class PressureSources:
     def threshold_text(self) -> str:
         return f"{self.trigger.kind} avg10 >= {self.threshold():g}%"
 
-    def above(self, path: Path | None) -> bool:
-        """A PSI reading of `path` at or above the trigger's share (stall/window)."""
+    def _read(self, path: Path | None) -> PressureStats | None:
         if path is None:
-            return False
+            return None
         try:
-            stats = read_pressure(path)
+            return read_pressure(path)
         except CgroupError:
-            return False
+            return None
+
+    def _avg10_above(self, stats: PressureStats) -> bool:
         some = self.trigger.kind == "some"
         return (stats.some_avg10 if some else (stats.full_avg10 or 0.0)) >= self.threshold()
+
+    def _stall_total(self, stats: PressureStats) -> int:
+        return stats.some_total_us if self.trigger.kind == "some" else (stats.full_total_us or 0)
+
+    def above(self, path: Path | None) -> bool:
+        """A PSI reading of `path` at or above the trigger's share (stall/window)."""
+        stats = self._read(path)
+        return stats is not None and self._avg10_above(stats)
 
     def _release_file(self) -> Path | None:
         """The file release decisions read: the service's (it aggregates every leaf), else the
         first polled one."""
         return self.service_file or next((s.path for s in self.sources if s.kind == "poll"), None)
 
-    def _stall_total(self, stats: Any) -> int:
-        return stats.some_total_us if self.trigger.kind == "some" else (stats.full_total_us or 0)
-
     def mark(self, now: float) -> None:
         """Remember the stall total at a pressure event: the next `still_high` measures from
         here."""
-        path = self._release_file()
-        try:
-            self._mark = None if path is None else (now, self._stall_total(read_pressure(path)))
-        except CgroupError:
-            self._mark = None
+        stats = self._read(self._release_file())
+        self._mark = None if stats is None else (now, self._stall_total(stats))
 
     def still_high(self, now: float) -> bool:
         """Pressure is not over: the stall share since the last mark or reading (if at least
         RATE_MIN_S ago, else avg10) is at or above the trigger's share."""
-        path = self._release_file()
-        if path is None:
-            return False
-        try:
-            stats = read_pressure(path)
-        except CgroupError:
+        stats = self._read(self._release_file())
+        if stats is None:
             return False
         total, prev = self._stall_total(stats), self._mark
         if prev is not None and now - prev[0] < RATE_MIN_S:
-            return self.above(path)  # too short to measure a share: leave the mark in place
+            return self._avg10_above(stats)  # too short to measure a share: keep the mark
         self._mark = (now, total)
         if prev is None or total < prev[1]:  # no mark yet (or the counter restarted)
-            return self.above(path)
+            return self._avg10_above(stats)
         share = 100.0 * (total - prev[1]) / ((now - prev[0]) * 1e6)
         return share >= self.threshold()
 
