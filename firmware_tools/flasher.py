@@ -26,8 +26,7 @@ from typing import Any
 
 from firmware_tools.bootloader import Bootloader, Timeouts, open_port
 from firmware_tools.errors import FlashError
-from firmware_tools.progress import SectorMarked, journal_path, port_identity
-from firmware_tools.progress import SectorProgress as _Journal
+from firmware_tools.progress import SectorMarked, SectorProgress, journal_path, port_identity
 
 __all__ = [
     "FlashError",
@@ -216,7 +215,7 @@ def flash_elf(
         )
     path = journal_path(state_dir, image.sha256, profile.name, port_name) if state_dir else None
     head = {"image_sha256": image.sha256, "board": profile.name, "port": port_identity(port_name)}
-    journal = _Journal(path, head, resume, on_mark=on_sector)
+    journal = SectorProgress(path, head, resume, on_mark=on_sector)
     result.journal = str(path) if path else None
     if resume and not journal.loaded:
         result.warnings.append(
