@@ -306,15 +306,13 @@ class PressureSources:
         lines = ["# HELP edge_agent_memory_pressure_source Memory pressure sources watched, one "
                  f"sample per file ({KIND_HELP}).",
                  "# TYPE edge_agent_memory_pressure_source gauge"]
-        for s in self.sources:
-            lines.append(f'edge_agent_memory_pressure_source{{file="{s.path}",kind="{s.kind}",'
-                         f'role="{s.role}"}} 1')
+        labels = [f'file="{s.path}",kind="{s.kind}",role="{s.role}"' for s in self.sources]
+        lines += [f"edge_agent_memory_pressure_source{{{lab}}} 1" for lab in labels]
         lines += ["# HELP edge_agent_memory_pressure_source_events_total Pressure events seen "
                   "on each source.",
                   "# TYPE edge_agent_memory_pressure_source_events_total counter"]
-        for s in self.sources:
-            lines.append(f'edge_agent_memory_pressure_source_events_total{{file="{s.path}",'
-                         f'kind="{s.kind}",role="{s.role}"}} {s.events}')
+        lines += [f"edge_agent_memory_pressure_source_events_total{{{lab}}} {s.events}"
+                  for lab, s in zip(labels, self.sources, strict=True)]
         lines += ["# HELP edge_agent_memory_pressure_triggers_armed Sources woken by the kernel "
                   "or systemd (not polled); 0 means pressure is polled or not watched.",
                   "# TYPE edge_agent_memory_pressure_triggers_armed gauge",
