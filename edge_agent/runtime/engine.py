@@ -268,11 +268,8 @@ class Engine:
         tables = [BlockTable() for _ in part]
         try:
             with self._limits():
-                if len(part) == 1:
-                    rows = self.model.prefill(part[0][1], tables[0], self.pool)[None]  # (1, V)
-                else:
-                    rows = self.model.prefill_many([ids for _, ids in part], tables,
-                                                   self.pool)  # (B, V)
+                rows = self.model.prefill_many([ids for _, ids in part], tables,
+                                               self.pool)  # (B, V)
         except BaseException:
             for table in tables:
                 self.pool.release(table)
