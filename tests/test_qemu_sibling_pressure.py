@@ -19,6 +19,11 @@ own group's file, a new request then gets 503 + Retry-After naming memory pressu
 counts the transitions; the daemon and its runner are never killed. The hog is killed: the
 stages walk back to 0 one hold at a time and a request completes with 200.
 
+A second boot lets the policy go on to stage 3 while the loader's generations alternate between
+priority 1 and 9: the daemon sheds running requests, lowest priority first, each failed with
+the reason (code memory_pressure, naming stage 3) and counted in /metrics; the runner is never
+killed, and once the hog is gone the stages walk back from 3 and a new request completes.
+
 Invariants: one boot; every wait in the guest is bounded and the driver prints its facts even
 when a step fails; the driver (load generator included) runs in the root group, so only the
 board's tasks are squeezed; the daemon is judged by its own surfaces (/health, /metrics, the
@@ -50,7 +55,7 @@ OVER_HIGH = 10 << 20  # the hog keeps the board this far above memory.high
 # Only what this test needs; everything else is the policy defaults. The runner's own limits
 # are wide so that models/tiny/ is never throttled by itself: the squeeze comes from board/.
 POLICY = f"""\
-description = "test: sensitive trigger, short escalate and hold times, stops at stage 2"
+description = "test: sensitive trigger, short escalate and hold times, stops at stage MAX"
 [model]
 memory_high = "1.5x"
 memory_max = "2.0x"
@@ -58,7 +63,7 @@ memory_max = "2.0x"
 trigger = "some 50000 1000000"
 escalate_interval_s = 0.5
 hold_s = {HOLD_S}
-max_stage = 2
+max_stage = MAX
 retry_after_s = 7
 """
 SERVE_ENV = {"EDGE_AGENT_DEFAULT_MODEL": "tiny", "EDGE_AGENT_MODELS__TINY__PATH": "/ea/tiny.gguf",
@@ -107,7 +112,7 @@ while True:
 """
 
 DRIVER = r"""
-import json, os, re, select, subprocess, sys, threading, time
+import contextlib, json, os, re, select, subprocess, sys, threading, time
 sys.path.insert(0, "/opt/edge-agent")
 from edge_agent.client import DaemonClient, DaemonError, UnixHTTPConnection
 
@@ -115,7 +120,9 @@ CG = "/sys/fs/cgroup/board/"
 SOCK = "/run/ea.sock"
 c = DaemonClient(SOCK, timeout=120)
 out = {"errors": []}
-load = {"submitted": 0, "refused": 0, "ended": 0, "live": []}
+load = {"submitted": 0, "refused": 0, "ended": 0, "live": [], "prio": {}}
+PEAK = int(sys.argv[2])  # the stage to wait for once the hog holds
+PRIOS = [int(p) for p in sys.argv[3].split(",")]  # the loader's priorities, in turn
 stop = threading.Event()
 
 
@@ -173,8 +180,11 @@ def loader():
                 load["ended"] += 1
         while len(live) < 4 and not stop.is_set():
             try:
+                prio = PRIOS[load["submitted"] % len(PRIOS)]
                 live.append(lc.submit("Story %d: once upon a time" % load["submitted"],
-                                      max_tokens=480, temperature=0.9, seed=load["submitted"]))
+                                      max_tokens=480, temperature=0.9, seed=load["submitted"],
+                                      priority=prio))
+                load["prio"][live[-1]] = prio
                 load["submitted"] += 1
             except DaemonError as exc:
                 load["refused"] += 1
@@ -214,7 +224,15 @@ def main():
     hog = subprocess.Popen([sys.executable, "/ea/hog.py", sys.argv[1]], stdout=subprocess.PIPE,
                            text=True)
     out["hog_start"] = now()
-    out["peak"], out["stage2_at"] = wait_stage(lambda s: s >= 2, 90)
+    stage1, _ = wait_stage(lambda s: s >= 1, 90)
+    running = {}
+    for rid in list(load["live"]) if stage1 else []:  # what runs as the squeeze begins
+        with contextlib.suppress(DaemonError):
+            r = c.get_request(rid)
+            if r["state"] == "running":
+                running[rid] = r["priority"]
+    out["running_at_stage1"] = running
+    out["peak"], out["stage2_at"] = wait_stage(lambda s: s >= PEAK, 90)
     ready = select.select([hog.stdout], [], [], 30)[0]
     out["hog_holding"] = hog.stdout.readline().strip() if ready else None
     out["refused"] = []
@@ -245,13 +263,17 @@ def main():
     h = c.health()
     out["health_end"] = {"pid": h["pid"], "runner": h["models"]["tiny"]["runner_pid"],
                          "pressure": h["pressure"], "oom_kills": h["cgroup"].get("oom_kills")}
-    out["metrics"] = [ln for ln in c.metrics().splitlines() if ln.startswith("edge_agent_memory")
-                      or ln.startswith("edge_agent_oom")]
+    out["metrics"] = [ln for ln in c.metrics().splitlines() if ln.startswith(
+        ("edge_agent_memory", "edge_agent_oom", "edge_agent_requests_shed"))]
     out["some_total_end"] = some_total("edge-agent/memory.pressure")
     out["pressure_files"] = {g: read(g + "memory.pressure") for g in ("", "edge-agent/", "hog/")}
     out["events"] = {g: kv(g + "memory.events") for g in
                      ("", "edge-agent/", "edge-agent/models/tiny/", "hog/")}
     out["daemon_alive"] = os.path.exists("/proc/%d" % out["pid"])
+    # stage 3's victims, in the order the daemon shed them (its log), and how each one ended
+    shed = re.findall(r"request (\S+) \(model tiny, priority (\d+)\) cancelled under memory "
+                      r"pressure: stage 3", open("/tmp/serve.log").read())
+    out["shed"] = [[rid, int(p), c.get_request(rid)] for rid, p in shed]
 
 
 try:
@@ -265,13 +287,19 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def run_guest(image: GuestImage, tiny: Path, *, policy: str = POLICY, over_high: int = OVER_HIGH,
+def run_guest(image: GuestImage, tiny: Path, *, max_stage: int = 2, priorities: str = "5",
+              policy: str = POLICY, over_high: int = OVER_HIGH,
               env: dict[str, str] | None = None) -> dict[str, Any]:
-    """One boot: the layout, the daemon, the squeeze and the recovery; the driver's facts."""
+    """One boot: the layout, the daemon, the squeeze and the recovery; the driver's facts.
+
+    The policy stops at `max_stage`, which is also the stage the driver waits for once the hog
+    holds; the loader submits its generations with `priorities` in turn ("1,9": low, high)."""
     files = {"/ea/drive.py": DRIVER.encode(), "/ea/hog.py": HOG.encode(),
-             "/ea/policy.toml": policy.encode(), "/ea/tiny.gguf": tiny.read_bytes()}
+             "/ea/policy.toml": policy.replace("MAX", str(max_stage)).encode(),
+             "/ea/tiny.gguf": tiny.read_bytes()}
     exports = "".join(f"export {k}={v}\n" for k, v in {**SERVE_ENV, **(env or {})}.items())
-    command = exports + COMMAND.replace("/ea/drive.py", f"/ea/drive.py {over_high}")
+    command = exports + COMMAND.replace("/ea/drive.py",
+                                        f"/ea/drive.py {over_high} {max_stage} {priorities}")
     r = run_arm64(command, timeout=270, image=image, mount="none", files=files)
     line = next((ln for ln in r.output.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"rc {r.rc}\n{r.output[-4000:]}\n{r.console[-2000:]}"
@@ -389,3 +417,62 @@ def test_the_daemon_is_never_killed_and_serves_again(result: dict[str, Any]) -> 
     assert result["after"]["usage"]["completion_tokens"] == 8, result["after"]
     assert result["errors"] == [] and result["load"]["submitted"] >= 4, result
     assert "SERVE-RC 0" in result["_output"], result["_output"][-3000:]
+
+
+# -- stage 3: shedding running requests under a sibling's squeeze ----------------------------
+
+
+@pytest.fixture(scope="module")
+def result3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    image = arm64_image_or_skip("sibling-cgroup memory pressure test, stage 3")
+    tiny = write_tiny_llama(tmp_path_factory.mktemp("tiny3") / "tiny.gguf")
+    out = run_guest(image, tiny, max_stage=3, priorities="1,9")
+    assert "exception" not in out, out["exception"] + out["_output"][-3000:]
+    print(f"\nsibling pressure, stage 3: running at stage 1 {out['running_at_stage1']}; "
+          f"stages {[(a, b, round(t, 1)) for a, b, t in _history(out)]}; hog killed "
+          f"{out['hog_stop']:.1f}; shed {[(rid[-6:], p) for rid, p, _ in out['shed']]}; "
+          f"{out['_wall']:.0f} s wall")
+    return out
+
+
+def test_stage_3_sheds_the_lowest_priority_running_request_first(result3: dict[str, Any]
+                                                                 ) -> None:
+    running = result3["running_at_stage1"]
+    assert {1, 9} <= set(running.values()), running  # both levels competed when it began
+    hist = _history(result3)
+    assert result3["peak"] == 3 and (2, 3) in [(a, b) for a, b, _ in hist], hist
+    shed = result3["shed"]
+    assert shed, result3["_output"][-3000:]
+    assert shed[0][1] == 1, shed  # the first victim is a priority-1 request...
+    first_high = next((i for i, (_, p, _) in enumerate(shed) if p == 9), len(shed))
+    low_running = [rid for rid, p in running.items() if p == 1]
+    shed_ids = [rid for rid, _, _ in shed]
+    # ...and no priority-9 request went while one of the priority-1 requests running then was
+    # still there to be shed
+    assert all(rid in shed_ids[:first_high] or rid not in shed_ids for rid in low_running), shed
+    for _, prio, req in shed:
+        assert req["state"] == "failed" and req["priority"] == prio, req
+        err = req["error"]
+        assert err["code"] == "memory_pressure", err
+        assert "stage 3 (cancel-lowest)" in err["message"] and "Hint:" in err["message"], err
+    counted = [ln for ln in result3["metrics"]
+               if ln.startswith('edge_agent_requests_shed_total{model="tiny"}')]
+    assert counted == [f'edge_agent_requests_shed_total{{model="tiny"}} {len(shed)}'], counted
+
+
+def test_stage_3_walks_back_and_the_daemon_serves_again(result3: dict[str, Any]) -> None:
+    hist = _history(result3)
+    assert all(abs(b - a) == 1 for a, b, _ in hist), hist
+    peak_i = max(i for i, (a, b, _) in enumerate(hist) if b > a)
+    assert hist[peak_i][1] == 3
+    assert [(a, b) for a, b, _ in hist[peak_i + 1:]] == [(3, 2), (2, 1), (1, 0)], hist
+    assert result3["final_stage"] == 0
+    end = result3["health_end"]
+    assert result3["daemon_alive"] and end["pid"] == result3["pid"]
+    assert end["oom_kills"] == {"smollm2": 0, "tiny": 0}
+    for group in ("edge-agent/", "edge-agent/models/tiny/"):
+        ev = result3["events"][group]
+        assert ev["oom_kill"] == 0 and ev["oom_group_kill"] == 0, (group, ev)
+    assert result3["after"]["usage"]["completion_tokens"] == 8, result3["after"]
+    assert result3["errors"] == [], result3["errors"]
+    assert "SERVE-RC 0" in result3["_output"], result3["_output"][-3000:]
