@@ -1,5 +1,5 @@
 """A memory hog in a SIBLING cgroup raises the daemon's memory.pressure; the full daemon sheds
-load and recovers (arm64 QEMU guest, real kernel, one boot).
+load and recovers (arm64 QEMU guest, real kernel, one boot per scenario).
 
 The guest lays out cgroups the way a board does: /sys/fs/cgroup/board/ carries the board's
 limit (memory.max, memory.high a little below it: the guest has no swap, so a wide gap only
@@ -24,12 +24,13 @@ priority 1 and 9: the daemon sheds running requests, lowest priority first, each
 the reason (code memory_pressure, naming stage 3) and counted in /metrics; the runner is never
 killed, and once the hog is gone the stages walk back from 3 and a new request completes.
 
-Invariants: one boot; every wait in the guest is bounded and the driver prints its facts even
-when a step fails; the driver (load generator included) runs in the root group, so only the
-board's tasks are squeezed; the daemon is judged by its own surfaces (/health, /metrics, the
-503) and the kernel's files, never by its internals. `run_guest(..., env=, policy=)` is also how
-the controls were run: with MEMORY_PRESSURE_WATCH=/dev/null (pressure ignored) or without a
-squeeze (the hog holding nothing) the stage never rises and these tests fail.
+Invariants: one boot per scenario; every wait in the guest is bounded and the driver prints its
+facts even when a step fails; the driver (load generator included) runs in the root group, so
+only the board's tasks are squeezed; the daemon is judged by its own surfaces (/health,
+/metrics, the 503, its log) and the kernel's files, never by its internals.
+`run_guest(..., env=, policy=)` is also how the controls were run: with
+MEMORY_PRESSURE_WATCH=/dev/null (pressure ignored) or without a squeeze (the hog holding
+nothing) the stage never rises and these tests fail.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def main():
             if r["state"] == "running":
                 running[rid] = r["priority"]
     out["running_at_stage1"] = running
-    out["peak"], out["stage2_at"] = wait_stage(lambda s: s >= PEAK, 90)
+    out["peak"], out["peak_at"] = wait_stage(lambda s: s >= PEAK, 90)
     ready = select.select([hog.stdout], [], [], 30)[0]
     out["hog_holding"] = hog.stdout.readline().strip() if ready else None
     out["refused"] = []
