@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +28,7 @@ from edge_agent import config_schema as schema
 from edge_agent.errors import ConfigError
 from edge_agent.host_profiles import HostProfile, load_host_profile
 from edge_agent.paths import default_model_path
+from edge_agent.scheduler.jobs import SchedulerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,7 +41,6 @@ __all__ = [
     "FlashConfig",
     "JournalConfig",
     "ServerConfig",
-    "SchedulerSettings",
     "RuntimeConfig",
     "SerialConfig",
     "ModelConfigEntry",
@@ -66,22 +66,6 @@ class ServerConfig:
     tcp_allow_remote: bool = False
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """Same field names as edge_agent.scheduler.SchedulerConfig(**settings.as_kwargs())."""
-
-    queue_max: int = 64
-    max_batch_size: int = 8
-    batch_window_ms: float = 5.0
-    default_timeout_ms: float | None = 120000.0
-    starvation_age_s: float = 10.0
-    max_retries: int = 2
-    keep_finished: int = 1024
-
-    def as_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -151,7 +135,7 @@ class ModelConfigEntry:
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig
-    scheduler: SchedulerSettings
+    scheduler: SchedulerConfig  # the scheduler's own knobs, validated by it too
     runtime: RuntimeConfig
     serial: SerialConfig
     models: Mapping[str, ModelConfigEntry]
@@ -237,7 +221,7 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
             "max_body_bytes": "1M",
             "drain_timeout_s": 30.0,
         },
-        "scheduler": SchedulerSettings().as_kwargs(),
+        "scheduler": asdict(SchedulerConfig()),
         "runtime": {"mlock": "best-effort", "dtype": "f32", "threads": "auto",
                     "memory_budget_bytes": "max"},
         "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
@@ -368,7 +352,7 @@ def _build(
 
     server = ServerConfig(**section("server"))
     schema.check_tcp(server.tcp, server.tcp_allow_remote, merged)
-    scheduler = SchedulerSettings(**section("scheduler"))
+    scheduler = SchedulerConfig(**section("scheduler"))
     runtime = RuntimeConfig(**section("runtime"))
     serial = SerialConfig(**section("serial"))
     journal = JournalConfig(**section("journal"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 import edge_agent.config as config_mod
 from edge_agent import cli
 from edge_agent.config import BUILTIN_MODEL, load_config
-from edge_agent.config_schema import KEYS
+from edge_agent.config_schema import KEYS, SECTIONS
 from edge_agent.errors import EXIT_CONFIG, ConfigError
 from edge_agent.host_profiles import list_host_profiles, load_host_profile
 from edge_agent.sizes import format_size, parse_size
@@ -73,10 +74,18 @@ def test_systemd_directories_set_socket_and_state() -> None:
 
 
 def test_scheduler_settings_feed_the_scheduler() -> None:
-    from edge_agent.scheduler.jobs import SchedulerConfig
+    from edge_agent.scheduler import Scheduler, SchedulerConfig
 
     c = load(env={"EDGE_AGENT_SCHEDULER__QUEUE_MAX": "7"})
-    assert SchedulerConfig(**c.scheduler.as_kwargs()).queue_max == 7
+    assert isinstance(c.scheduler, SchedulerConfig)
+    assert Scheduler(c.scheduler).config.queue_max == 7
+    # every scheduler knob is a config key, and the defaults documented for the keys are the
+    # scheduler's own
+    keys = SECTIONS["scheduler"]
+    assert set(keys) == set(asdict(SchedulerConfig()))
+    for name, default in asdict(SchedulerConfig()).items():
+        assert keys[name].parse(keys[name].default) == default, name
+    assert load().scheduler == SchedulerConfig()
 
 
 # ----- file layer ------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import close_uarts, start_uarts
 from edge_agent.errors import ConfigError, EdgeAgentError
 from edge_agent.protocol.api import ApiError, GenerationRequest
-from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler, SchedulerConfig
+from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler
 from edge_agent.transports.http import HttpServer
 
 __all__ = ["Daemon"]
@@ -56,7 +56,7 @@ class Daemon:
         self.config = config
         self.env = dict(env)
         self.state_dir = Path(config.server.state_dir)
-        self.scheduler = Scheduler(SchedulerConfig(**config.scheduler.as_kwargs()))
+        self.scheduler = Scheduler(config.scheduler)
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = Metrics()
         self.memory = MemoryGuard(self)  # cgroup v2 groups, OOM kills, PSI stages
