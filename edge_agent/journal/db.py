@@ -1,4 +1,5 @@
-"""Opening the journal: one SQLite file, WAL, durability pragmas, integrity check, quarantine.
+"""Opening the journal: one SQLite file, WAL, durability pragmas, integrity check, quarantine
+(the check itself and the move aside are in journal/quarantine.py).
 
 Invariants this module owns:
 - Every open of the writer issues `PRAGMA journal_mode=WAL` and `PRAGMA synchronous=<mode>`
@@ -37,7 +38,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,13 @@ import sqlite_utils
 
 from edge_agent.journal.errors import JournalError, JournalMissingError, JournalVersionError
 from edge_agent.journal.migrations import MIGRATIONS, Migrations
+from edge_agent.journal.quarantine import (
+    QuarantineEvent,
+    check_integrity,
+    is_corruption,
+    quarantine,
+    wal_keep_path,
+)
 
 __all__ = [
     "Journal",
@@ -62,9 +69,7 @@ JOURNAL_FILE = "journal.sqlite3"
 SYNC_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 DEFAULT_SYNC = "FULL"
 _SYNC_VALUE = {"OFF": 0, "NORMAL": 1, "FULL": 2, "EXTRA": 3}
-_CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the -wal file is truncated to after a checkpoint
-CHECK_MMAP_BYTES = 1 << 30  # memory map used while checking (address space, not memory)
 
 Connect = Callable[[str], sqlite3.Connection]
 
@@ -73,96 +78,12 @@ def default_journal_path(state_dir: str | os.PathLike[str]) -> Path:
     return Path(state_dir) / JOURNAL_FILE
 
 
-@dataclass(frozen=True)
-class QuarantineEvent:
-    """A corrupt journal was moved aside and a new one started."""
-
-    path: str
-    moved_to: str
-    reason: str
-    at: float  # wall clock (unix seconds)
-
-    def message(self) -> str:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(self.at))
-        return (
-            f"journal {self.path} was corrupt ({self.reason}); moved aside to {self.moved_to} at "
-            f"{stamp} and a new journal was started: requests, sessions and caches recorded "
-            "before are not resumed. Hint: keep the moved file for inspection "
-            "(`sqlite3 FILE .recover`), and check the storage (dmesg, power supply)."
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(asdict(self), message=self.message())
-
-
-def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return (code & 0xFF) in _CORRUPT_CODES
-    return type(exc) is sqlite3.DatabaseError  # Python 3.10: no error code; CORRUPT/NOTADB
-
-
 def _default_connect(path: str) -> sqlite3.Connection:
     return sqlite3.connect(path, timeout=10.0, isolation_level=None)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _wal_keep(path: Path) -> Path:
-    return path.with_name(path.name + "-wal.found")
-
-
 def _pragma_name(check: str) -> str:
     return "integrity_check" if check == "full" else "quick_check"
-
-
-def check_integrity(conn: sqlite3.Connection, *, full: bool = False) -> list[str]:
-    """Problems found by `quick_check` (or `integrity_check` when full); [] when the file is ok.
-
-    The check reads the pages through a memory map (about twice as fast as read() calls on a
-    file in the page cache); the map is dropped again afterwards, so later I/O errors come back
-    as SQLite errors, never as SIGBUS. Raises sqlite3.DatabaseError when the file is too
-    damaged to check at all.
-    """
-    pragma = "integrity_check" if full else "quick_check"
-    conn.execute(f"PRAGMA mmap_size={CHECK_MMAP_BYTES}").fetchall()
-    try:
-        rows = [str(r[0]) for r in conn.execute(f"PRAGMA {pragma}(20)").fetchall()]
-    finally:
-        conn.execute("PRAGMA mmap_size=0").fetchall()
-    return [] if rows == ["ok"] else rows
-
-
-def quarantine(path: Path, reason: str, *, now: float) -> QuarantineEvent:
-    """Move `path` (and its -wal, -shm) aside with a UTC timestamp; fsync the directory."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while target.exists():
-        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        n += 1
-    try:
-        for suffix in ("-wal", "-shm"):
-            side = path.with_name(path.name + suffix)
-            if side.exists():
-                os.replace(side, target.with_name(target.name + suffix))
-        kept = _wal_keep(path)  # the -wal as it was before SQLite touched it (see open_journal)
-        if kept.exists():
-            os.replace(kept, target.with_name(target.name + "-wal"))
-        os.replace(path, target)
-        _fsync_dir(path.parent)
-    except OSError as exc:
-        raise JournalError(
-            f"journal {path} is corrupt ({reason}) and could not be moved aside to {target}: "
-            f"{exc.strerror or exc}. Hint: move or delete the file by hand, then restart."
-        ) from exc
-    return QuarantineEvent(str(path), str(target), reason, now)
 
 
 class Journal:
@@ -320,7 +241,7 @@ def open_journal(
     event: QuarantineEvent | None = None
     # SQLite may fold a -wal into the file and delete it when a connection closes, even when
     # the file turns out corrupt: a hard link keeps the -wal as found, for the quarantine.
-    wal, kept = path.with_name(path.name + "-wal"), _wal_keep(path)
+    wal, kept = path.with_name(path.name + "-wal"), wal_keep_path(path)
     with contextlib.suppress(OSError):
         kept.unlink()
     with contextlib.suppress(OSError):
@@ -353,7 +274,7 @@ def open_journal(
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         except sqlite3.DatabaseError as exc:
             conn.close()
-            corrupt = _is_corruption(exc) or "malformed" in str(exc) or (
+            corrupt = is_corruption(exc) or "malformed" in str(exc) or (
                 type(exc) is sqlite3.DatabaseError
             )
             if not corrupt:
