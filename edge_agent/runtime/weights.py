@@ -36,7 +36,7 @@ import numpy as np
 from edge_agent.errors import ConfigError, MemoryLockError, ModelFileError
 from edge_agent.runtime import memlock
 from edge_agent.runtime.memlock import MLOCK_POLICIES, MemlockEnv
-from edge_agent.runtime.prepare import DTYPES, PreparedInfo
+from edge_agent.runtime.prepared_format import DTYPES, PreparedInfo
 
 __all__ = ["LockReport", "PinnedWeights", "MLOCK_POLICIES"]
 
