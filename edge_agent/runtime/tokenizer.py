@@ -4,10 +4,11 @@ Invariants owned here:
 - Only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is supported; anything else, an unknown
   `tokenizer.ggml.pre`, or missing/inconsistent tokenizer keys raise ModelFileError naming the
   source and the key.
-- Pre-tokenization is llama.cpp's: its regex list for the `pre` type, each regex splitting every
-  fragment into matches and non-matches ("isolated"), then byte-level mapping and BPE (rank, then
-  leftmost merge first). The `tokenizers` library runs it; the result was checked equal to
-  llama.cpp on the committed corpus (tests/data/tokenizer_reference_llamacpp.json).
+- Pre-tokenization is llama.cpp's: its regex list for the `pre` type (runtime/pretokenizers.py),
+  each regex splitting every fragment into matches and non-matches ("isolated"), then byte-level
+  mapping and BPE (rank, then leftmost merge first). The `tokenizers` library runs it; the result
+  was checked equal to llama.cpp on the committed corpus
+  (tests/data/tokenizer_reference_llamacpp.json) and on llama.cpp's own vocab tests.
 - `encode` never parses control tokens in text: "<|im_start|>" typed by a user is plain text.
   Only USER_DEFINED tokens (type 4) are matched in raw text, longest first, as llama.cpp does.
 - `token_bytes(id)` is the exact byte string a token stands for (byte-level decoded for normal
@@ -35,6 +36,7 @@ from tokenizers import pre_tokenizers as _pre
 
 from edge_agent.errors import EXIT_USAGE, EdgeAgentError, ModelFileError
 from edge_agent.runtime.chat import ChatTemplate, require_chatml
+from edge_agent.runtime.pretokenizers import PRE_TOKENIZERS
 
 __all__ = [
     "Tokenizer", "IncrementalDecoder", "TokenizerCacheError", "DecoderStateError",
@@ -46,23 +48,6 @@ __all__ = [
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
     1, 2, 3, 4, 5, 6
 )
-
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), keyed by `tokenizer.ggml.pre`.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
-    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
-# name -> (regexes, ignore_merges)
-PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "default": (_DEFAULT, False),
-    **{name: ((_GPT2,), False) for name in ("gpt2", "gpt-2", "phi-2", "roberta-bpe")},
-    **{name: ((_LLAMA3,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
-    **{name: ((_QWEN2,), False) for name in ("qwen2", "deepseek-r1-qwen")},
-    **{name: ((r"\p{N}", _GPT2), False) for name in ("smollm", "starcoder", "refact")},
-}
 
 _CACHE_MAGIC = b"EATOK\x00\x00\x01"
 _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
@@ -187,7 +172,7 @@ class Tokenizer:
             raise fail("tokenizer.ggml.pre", f"is {pre!r}, a pre-tokenizer edge-agent does not "
                        f"know (supported: {', '.join(sorted(PRE_TOKENIZERS))})",
                        "use a model whose pre-tokenizer is listed, or add its regexes to "
-                       "edge_agent.runtime.tokenizer.PRE_TOKENIZERS.")
+                       "edge_agent.runtime.pretokenizers.PRE_TOKENIZERS.")
         fields: dict[str, Any] = {"model": model, "pre": pre, "source": source}
         for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
             key = f"tokenizer.ggml.{name}_token_id"
