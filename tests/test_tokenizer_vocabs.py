@@ -63,6 +63,13 @@ def metadata(vocab_files: dict[str, Path]) -> dict[str, dict]:
     return found
 
 
+@pytest.fixture(scope="module")
+def tokenizers(metadata: dict[str, dict]) -> dict[str, Tokenizer]:
+    """Each vocabulary's tokenizer, with the family its GGUF names."""
+    return {name: Tokenizer.from_metadata(md, source=f"ggml-vocab-{name}.gguf")
+            for name, md in metadata.items()}
+
+
 def test_vocabs_are_the_ones_llamacpp_ships(vocab_files: dict[str, Path]) -> None:
     assert set(MANIFEST["vocabs"]) == set(FAMILY)
     for name, path in vocab_files.items():
@@ -81,17 +88,15 @@ def test_each_vocab_selects_the_family_under_test(name: str, metadata: dict[str,
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
-def test_encode_matches_llamacpp(name: str, metadata: dict[str, dict]) -> None:
-    tok = Tokenizer.from_metadata(metadata[name], source=f"ggml-vocab-{name}.gguf")
-    results = [(text, tok.encode(text), ids) for text, ids in cases(name)]
+def test_encode_matches_llamacpp(name: str, tokenizers: dict[str, Tokenizer]) -> None:
+    results = [(text, tokenizers[name].encode(text), ids) for text, ids in cases(name)]
     assert [r for r in results if r[1] != r[2]] == []
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
-def test_decode_round_trips(name: str, metadata: dict[str, dict]) -> None:
-    tok = Tokenizer.from_metadata(metadata[name], source=f"ggml-vocab-{name}.gguf")
+def test_decode_round_trips(name: str, tokenizers: dict[str, Tokenizer]) -> None:
     for text, ids in cases(name):
-        assert tok.decode(ids) == text, repr(text)
+        assert tokenizers[name].decode(ids) == text, repr(text)
 
 
 # Families that reproduce every case of a vocab besides its own. Qwen2's vocabulary has no
