@@ -7,6 +7,11 @@ aggregate tok/s, latency p50/p95, TTFT p50/p95, and the ratio of the daemon's ag
 the in-process Engine decoding the same C prompts as one batch (measured in the same run, while
 the daemon is idle). Targets: ratio >= 0.90; aggregate at 8 >= 5x aggregate at 1.
 
+Each run also reads the mapped weights once and a fresh buffer of the same size once, and
+prints both rates: single-stream decode is bound by reading the weights, so the scaling over
+C=1 moves with how fast the weights' memory reads on the day (on a VM, where the page cache
+sits in the host's memory matters).
+
 `--runs N` measures every concurrency N times (odd runs in the reverse order, so a drift in the
 machine's load does not favour one level) and reports the medians, with the spread of each
 level's scaling over C=1: the machine is shared, and single runs move by a few per cent.
@@ -112,6 +117,32 @@ def runtime_round(state_dir: Path, c: int, tokens: int) -> dict[str, Any]:
     return {"tokens": c * tokens, "wall_s": wall, "tok_s": c * tokens / wall}
 
 
+def read_rates(state_dir: Path) -> dict[str, float]:
+    """GB/s of one pass over the mapped weights (as the runner maps them) and over a freshly
+    allocated buffer of the same size, best of 3 each."""
+    import numpy as np
+
+    from edge_agent.runtime.engine import Engine
+
+    def best(arrays: list[Any]) -> float:
+        size = sum(a.nbytes for a in arrays)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for a in arrays:
+                a.reshape(-1).view(f"u{a.itemsize}").max()
+            times.append(time.perf_counter() - t0)
+        return size / min(times) / 1e9
+
+    with Engine.load(state_dir=state_dir, mlock="off", max_batch=1, context=512) as engine:
+        assert engine.weights is not None
+        weights = list(engine.weights.tensors.values())
+        mapped = best(weights)
+        fresh = best([np.ones(sum(a.nbytes for a in weights) // 4, dtype=np.uint32)])
+        del weights
+    return {"weights_gb_s": mapped, "fresh_gb_s": fresh}
+
+
 def write_config(root: Path, state_dir: Path, max_batch: int) -> Path:
     cfg = root / "config.toml"
     cfg.write_text(f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state_dir.resolve()}"\n'
@@ -167,8 +198,12 @@ def main() -> int:
                     print(f"run {n + 1}/{args.runs} C={c}: daemon {d['tok_s']:.1f} tok/s, "
                           f"runtime {r['tok_s']:.1f} tok/s", file=sys.stderr)
                 rows = [got[c] for c in levels]
+                rates = read_rates(Path(args.state_dir))
+                print(f"run {n + 1}/{args.runs}: weights read at {rates['weights_gb_s']:.1f} "
+                      f"GB/s, fresh memory {rates['fresh_gb_s']:.1f} GB/s", file=sys.stderr)
                 for row in rows:
                     row["scaling_vs_c1"] = row["tok_s"] / rows[0]["tok_s"]
+                    row.update(rates)
                 runs.append(rows)
     except DaemonError as exc:  # exited or silent before READY=1: its log's tail
         print(exc, file=sys.stderr)
@@ -188,6 +223,8 @@ def main() -> int:
     if args.runs > 1:
         print(f"medians of {args.runs} runs; x C=1 per run (min-max): " + ", ".join(
             f"C={r['concurrency']} {r['scaling_min']:.2f}-{r['scaling_max']:.2f}" for r in rows))
+    print(f"weights read at {rows[0]['weights_gb_s']:.1f} GB/s, fresh memory "
+          f"{rows[0]['fresh_gb_s']:.1f} GB/s (medians)")
     for r in rows:
         if r["concurrency"] == 8 and levels[0] == 1:
             below = sum(x < 5 for x in r["scaling_runs"])
