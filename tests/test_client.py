@@ -4,6 +4,7 @@ close-delimited streams), real SSE bytes."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import shutil
@@ -20,15 +21,14 @@ import pytest
 
 from edge_agent import cli
 from edge_agent.client import DaemonClient, DaemonError, DaemonUnavailable
+from edge_agent.commands.client import render_health
 from edge_agent.errors import EdgeAgentError
 
-HEALTH = {
-    "status": "serving",
-    "queue": {"depth": 1, "max": 64},
-    "mlock": {"locked_bytes": 538060032, "weight_bytes": 538060032},
-    "cgroup": {"delegated": False},
-    "models": [{"name": "smollm2", "state": "serving", "max_batch": 8}],
-}
+# /health as a real daemon gave it (`make run`, the default model preloaded and idle, on a host
+# whose memory controller sits on cgroup v1); test_daemon_e2e checks that a live daemon's
+# /health still has every section and key this capture has.
+HEALTH_FILE = Path(__file__).parent / "data" / "health_serving.json"
+HEALTH = json.loads(HEALTH_FILE.read_text())
 
 
 class FakeDaemon(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -258,14 +258,72 @@ def test_status_human_and_json(daemon: FakeDaemon, capsys: pytest.CaptureFixture
     sock = str(daemon.server_address)
     assert cli.main(["status", "--socket", sock]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"edge-agent: serving (HTTP 200, socket {sock})")
-    assert "queue:       depth=1, max=64" in out
-    assert "smollm2" in out and "serving" in out and "max_batch=8" in out
+    lines = out.splitlines()
+    assert lines[0] == f"edge-agent: serving (pid 19230, up 4m46s, HTTP 200, socket {sock})"
+    assert lines[1] == ("queue:     depth 0 of 64 (queued 0, running 0, done 2, expired 0, "
+                        "cancelled 0, failed 0)")
+    assert lines[2] == ('pressure:  normal (stage 0), admitting; psi trigger "some 300000 '
+                        '2000000" on /proc/pressure/memory, 0 events')
+    assert lines[3].startswith("journal:   /tmp/walk/.state/journal.sqlite3 (synchronous FULL, "
+                               "ack durable), ")
+    assert lines[4].startswith("cgroup:    not available: the memory controller is bound to "
+                               "the cgroup v1 hierarchy")
+    assert lines[5].startswith("           fix: boot with the unified hierarchy")
+    assert lines[6:] == [
+        "models:",
+        "  NAME     STATE  LOADS  RUNNING  QUEUED  BATCH  CONTEXT  KV FREE    WEIGHTS LOCKED",
+        "  smollm2  idle   1      0        0       8      2048     1024/1024  513 MiB of 513 MiB",
+    ]
+    assert "{" not in out  # no section dumped as raw JSON
     assert cli.main(["status", "--json", "--socket", sock]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == {"available": True, "socket": sock, "http_status": 200, "health": HEALTH}
     daemon.health_code = 503
     assert cli.main(["status", "--socket", sock]) == 1  # not serving yet
+
+
+def test_status_text_for_trouble() -> None:
+    """What an operator must see without --json: why a model failed, why its weights are not
+    locked, a pressure stage that refuses work, the cgroup in use, and sections the renderer
+    does not know (shown as key=value, not dropped)."""
+    h = copy.deepcopy(HEALTH)
+    h["status"] = "degraded"
+    h["uptime_s"] = 2 * 86400 + 3 * 3600 + 5
+    m = h["models"]["smollm2"]
+    m.update(state="failed", reason="runner exited with signal 9 (SIGKILL) 3 times in 60 s")
+    m["mlock"].update(locked=False, locked_bytes=0, error="mlock: Cannot allocate memory "
+                      "(RLIMIT_MEMLOCK 8 MiB)")
+    h["pressure"].update(stage=2, name="shed", admitting=False)
+    h["cgroup"] = {"available": True, "reason": None, "fix": None, "base": "/sys/fs/cgroup/ea",
+                   "policy": "default", "models": {"smollm2": "/sys/fs/cgroup/ea/models/smollm2"},
+                   "warnings": ["memory.swap.max is not writable here"],
+                   "service_memory_max": 2 << 30, "oom_kills": {"smollm2": 2}}
+    h["serial"] = {"port": "/dev/ttyS0", "open": True}
+    text = render_health(h, "/run/edge-agent.sock", 503)
+    lines = text.splitlines()
+    assert lines[0] == ("edge-agent: degraded (pid 19230, up 2d03h, HTTP 503, "
+                        "socket /run/edge-agent.sock)")
+    assert lines[2].startswith("pressure:  shed (stage 2), refusing new requests; ")
+    assert lines[4:8] == [
+        "cgroup:    /sys/fs/cgroup/ea (policy default, service memory.max 2147483648, "
+        "OOM kills 2)",
+        "           warning: memory.swap.max is not writable here",
+        "serial:    port=/dev/ttyS0, open=yes",
+        "models:",
+    ]
+    assert lines[9].split() == ["smollm2", "failed", "1", "0", "0", "8", "2048", "1024/1024",
+                                "no", "(best-effort)"]
+    assert lines[10:] == [
+        "  smollm2: runner exited with signal 9 (SIGKILL) 3 times in 60 s",
+        "  smollm2: weights not locked: mlock: Cannot allocate memory (RLIMIT_MEMLOCK 8 MiB)",
+    ]
+
+
+def test_status_text_with_only_the_headline() -> None:
+    """A daemon still starting may answer with little more than its state."""
+    assert render_health({"status": "loading"}, "/s", 503) == \
+        "edge-agent: loading (HTTP 503, socket /s)"
+    assert render_health({}, "/s", 200) == "edge-agent: ok (HTTP 200, socket /s)"
 
 
 def test_status_when_daemon_is_down(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,6 +95,29 @@ def test_health_models_and_socket_mode(daemon: Daemon) -> None:
     daemon.wait_notify("WATCHDOG=1", 3)  # pings every WATCHDOG_USEC / 2 from the main loop
 
 
+def test_status_command_reads_the_live_daemon(daemon: Daemon,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from edge_agent import cli
+
+    assert cli.main(["status", "--socket", str(daemon.sock)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("edge-agent: serving (pid "), out
+    assert lines[1].startswith(f"queue:     depth 0 of {QUEUE_MAX} ("), out
+    assert "models:" in lines and "{" not in out, out
+    row = next(ln for ln in lines if ln.startswith("  smollm2 ")).split()
+    assert row[1] in ("idle", "serving") and row[5:7] == [str(MAX_BATCH), str(CONTEXT)], out
+    # The /health capture the client tests render (tests/data/health_serving.json) has no
+    # section or key a live daemon lacks. The cgroup section depends on the host; skipped.
+    _, live = daemon.json("GET", "/health")
+    capture = json.loads((REPO / "tests" / "data" / "health_serving.json").read_text())
+    assert set(capture) <= set(live)
+    for section in ("queue", "pressure", "journal"):
+        assert set(capture[section]) <= set(live[section]), section
+    assert set(capture["models"]["smollm2"]) <= set(live["models"]["smollm2"])
+    assert set(capture["models"]["smollm2"]["mlock"]) <= set(live["models"]["smollm2"]["mlock"])
+
+
 def test_completion_equals_in_process_engine(daemon: Daemon, expected: dict[str, str]) -> None:
     for p in PROMPTS:
         status, r = daemon.json("POST", "/v1/completions",

@@ -114,6 +114,10 @@ out["runner_after"] = h["models"]["tiny"]["runner_pid"]
 out["state_after"] = h["models"]["tiny"]["state"]
 out["oom_kills"] = h["cgroup"].get("oom_kills")
 out["runner_group_after"] = open(f"{group}/cgroup.procs").read().split()
+st = subprocess.run([sys.executable, "-m", "edge_agent", "status", "--socket", "/run/ea.sock"],
+                    capture_output=True, text=True, timeout=60,
+                    env={**os.environ, "PYTHONPATH": "/opt/edge-agent"})
+out["status_rc"], out["status_text"] = st.returncode, st.stdout + st.stderr
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -160,3 +164,14 @@ def test_the_request_completes_after_the_reload(result: dict[str, Any]) -> None:
     assert req["finish_reason"] == "stop" or req["completion_tokens"] == 300, req
     assert result["runner_group_after"] == [str(result["runner_after"])], result
     assert "SERVE-RC 0" in result["_output"], result["_output"][-3000:]
+
+
+def test_status_shows_the_group_and_the_kill(result: dict[str, Any]) -> None:
+    """`edge-agent status` (the human text) on a host where the cgroup is ours."""
+    text = result["status_text"]
+    assert result["status_rc"] == 0, text
+    lines = text.splitlines()
+    cgroup = next(ln for ln in lines if ln.startswith("cgroup:"))
+    assert "not available" not in cgroup and "OOM kills 1)" in cgroup, text
+    row = next(ln for ln in lines if ln.startswith("  tiny ")).split()
+    assert row[1] in ("idle", "serving") and row[2] == "2", text  # loaded, killed, loaded again

@@ -84,31 +84,135 @@ def _inline(table: dict[str, Any]) -> str:
     return ", ".join(f"{k}={_scalar(v)}" for k, v in table.items()) or "-"
 
 
-def render_health(health: dict[str, Any], socket_path: str, http_status: int) -> str:
-    """Human-readable /health: headline, then each section on its own lines."""
-    state = health.get("status") or health.get("state") or ("ok" if http_status == 200 else "?")
-    lines = [f"edge-agent: {state} (HTTP {http_status}, socket {socket_path})"]
-    models = health.get("models")
-    for key, value in health.items():
-        if key in ("status", "state", "models"):
-            continue
-        label = f"{key}:"
-        if isinstance(value, dict):
-            lines.append(f"{label:<12} {_inline(value)}")
-        else:
-            lines.append(f"{label:<12} {_scalar(value)}")
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.0f} MiB" if isinstance(n, (int, float)) else "?"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "?"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.0f}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _queue_line(q: dict[str, Any]) -> str:
+    line = f"depth {q.get('depth', '?')} of {q.get('queue_max', '?')}"
+    counts = [f"{k} {q[k]}" for k in ("queued", "running", "done", "expired", "cancelled",
+                                      "failed") if k in q]
+    return line + (f" ({', '.join(counts)})" if counts else "")
+
+
+def _pressure_line(p: dict[str, Any]) -> str:
+    line = f"{p.get('name', '?')} (stage {p.get('stage', '?')})"
+    line += ", admitting" if p.get("admitting", True) else ", refusing new requests"
+    if p.get("source"):
+        trigger = f" trigger \"{p['trigger']}\"" if p.get("trigger") else ""
+        line += f"; {p.get('kind', 'watching')}{trigger} on {p['source']}, " \
+                f"{p.get('events', 0)} events"
+    if p.get("error"):
+        line += f"; error: {p['error']}"
+    return line
+
+
+def _cgroup_lines(c: dict[str, Any]) -> list[str]:
+    if not c.get("available"):
+        lines = [f"not available: {c.get('reason') or 'unknown reason'}"]
+        if c.get("fix"):
+            lines.append(f"fix: {c['fix']}")
+        return lines
+    line = f"{c.get('base') or '?'} (policy {c.get('policy', '?')}"
+    if c.get("service_memory_max") is not None:
+        line += f", service memory.max {_scalar(c['service_memory_max'])}"
+    kills = c.get("oom_kills") or {}
+    line += f", OOM kills {sum(v for v in kills.values() if isinstance(v, int))})"
+    return [line] + [f"warning: {w}" for w in c.get("warnings") or []]
+
+
+def _journal_line(j: dict[str, Any]) -> str:
+    if not j.get("enabled", True):
+        return "off"
+    line = f"{j.get('path', '?')} (synchronous {j.get('synchronous', '?')}, " \
+           f"ack {j.get('ack', '?')})"
+    if isinstance(j.get("steps"), int):
+        line += f", {j['steps']} steps written"
+    if j.get("quarantined"):
+        line += f"; a corrupt journal was moved aside to {j['quarantined']}"
+    return line
+
+
+def _model_rows(models: Any) -> list[str]:
     if isinstance(models, dict):
         models = [{"name": name, **(v if isinstance(v, dict) else {"state": v})}
                   for name, v in models.items()]
-    if isinstance(models, list) and models:
-        lines.append("models:")
-        for m in models:
-            if not isinstance(m, dict):
-                lines.append(f"  {_scalar(m)}")
-                continue
-            name = m.get("name") or m.get("id") or "?"
-            rest = {k: v for k, v in m.items() if k not in ("name", "id", "state")}
-            lines.append(f"  {name:<16} {_scalar(m.get('state')):<10} {_inline(rest)}".rstrip())
+    if not isinstance(models, list) or not models:
+        return []
+    table = [("NAME", "STATE", "LOADS", "RUNNING", "QUEUED", "BATCH", "CONTEXT", "KV FREE",
+              "WEIGHTS LOCKED")]
+    notes: list[str] = []
+    for m in models:
+        if not isinstance(m, dict):
+            m = {"name": _scalar(m)}
+        name = str(m.get("name") or m.get("id") or "?")
+        lock = m.get("mlock") or {}
+        if lock.get("locked"):
+            locked = f"{_mib(lock.get('locked_bytes'))} of {_mib(lock.get('weight_bytes'))}"
+        elif lock:
+            locked = f"no ({lock.get('policy', '?')})"
+        else:
+            locked = "-"
+        kv = (f"{m['free_blocks']}/{m['total_blocks']}"
+              if "free_blocks" in m and "total_blocks" in m else "-")
+        table.append((name, _scalar(m.get("state")), _scalar(m.get("loads")),
+                      _scalar(m.get("active")), _scalar(m.get("queued")),
+                      _scalar(m.get("max_batch")), _scalar(m.get("context")), kv, locked))
+        if m.get("reason"):
+            notes.append(f"  {name}: {m['reason']}")
+        if lock.get("error"):
+            notes.append(f"  {name}: weights not locked: {lock['error']}")
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    rows = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in table]
+    return ["models:", *rows, *notes]
+
+
+_SECTIONS = {"queue": _queue_line, "pressure": _pressure_line, "journal": _journal_line}
+_SHOWN = {"status", "state", "pid", "uptime_s", "socket", "models", "mlock", "cgroup",
+          *_SECTIONS}
+
+
+def render_health(health: dict[str, Any], socket_path: str, http_status: int) -> str:
+    """Human-readable /health: a headline, one line per section, a table of the models.
+
+    The per-model mlock report is shown in the table (the top-level `mlock` copy is not
+    repeated); sections this function does not know are printed as key=value lines, so a
+    field the daemon adds is never hidden. `--json` gives the whole document.
+    """
+    state = health.get("status") or health.get("state") or ("ok" if http_status == 200 else "?")
+    facts = []
+    if health.get("pid") is not None:
+        facts.append(f"pid {health['pid']}")
+    if health.get("uptime_s") is not None:
+        facts.append(f"up {_duration(health['uptime_s'])}")
+    facts += [f"HTTP {http_status}", f"socket {socket_path}"]
+    lines = [f"edge-agent: {state} ({', '.join(facts)})"]
+    for key, render in _SECTIONS.items():
+        if isinstance(health.get(key), dict):
+            lines.append(f"{key + ':':<10} {render(health[key])}")
+    if isinstance(health.get("cgroup"), dict):
+        first, *rest = _cgroup_lines(health["cgroup"])
+        lines.append(f"{'cgroup:':<10} {first}")
+        lines += [f"{'':<10} {line}" for line in rest]
+    for key, value in health.items():
+        if key not in _SHOWN:
+            lines.append(f"{key + ':':<10} "
+                         f"{_inline(value) if isinstance(value, dict) else _scalar(value)}")
+    lines += _model_rows(health.get("models"))
     return "\n".join(lines)
 
 
