@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
 import stat
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -270,3 +274,49 @@ def test_stale_socket_is_replaced_and_non_socket_refused() -> None:
         os.rmdir(d)
 
     asyncio.run(main())
+
+
+def test_stream_that_ends_as_the_client_hangs_up_leaves_no_stray_error() -> None:
+    """The generator's end (StopAsyncIteration) and the client's EOF seen in the same wait:
+    the server must still collect the generator's outcome, or asyncio reports "Task exception
+    was never retrieved" for it. The order is forced: the generator blocks the loop while the
+    client (a thread) hangs up, then needs two more loop turns to finish, by which time the
+    server's read of the socket has seen the EOF."""
+    errors: list[dict[str, Any]] = []
+    hung_up = threading.Event()
+
+    async def ending() -> AsyncIterator[bytes]:
+        yield b"data: last\n\n"
+        assert hung_up.wait(5)
+        time.sleep(0.2)  # the EOF reaches the socket while the loop is blocked
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    async def handle(req: Request) -> Response | StreamResponse:
+        return StreamResponse(ending())
+
+    def client(path: Path) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(path))
+            s.sendall(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+            got = b""
+            while b"data: last" not in got:
+                got += s.recv(4096)
+        hung_up.set()
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        d = _short_dir()
+        srv = HttpServer(handle)
+        await srv.listen_unix(d / "s.sock")
+        t = threading.Thread(target=client, args=(d / "s.sock",))
+        t.start()
+        await asyncio.to_thread(t.join, 10)
+        await asyncio.sleep(0.3)
+        await srv.close()
+        gc.collect()
+        await asyncio.sleep(0)
+        os.rmdir(d)
+
+    asyncio.run(main())
+    assert not errors, [e.get("message") for e in errors]

@@ -315,6 +315,10 @@ def test_sigterm_drains_running_request_and_stops_cleanly(
         after = daemon.messages[next(i for i, m in enumerate(daemon.messages)
                                      if "STOPPING=1" in m.split("\n")):]
     assert any("WATCHDOG=1" in m.split("\n") for m in after), after
+    # Over this module's whole run (bad bodies, a full queue, cancels, disconnects mid-stream,
+    # a runner killed): errors were answered and logged as such, never as a stray traceback.
+    log = daemon.log.read_text(errors="replace")
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
 
 
 def test_bad_config_exits_78(tmp_path: Path) -> None:

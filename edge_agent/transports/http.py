@@ -294,7 +294,10 @@ class HttpServer:
             await writer.drain()
         finally:
             await _settle(conn, watch)
-            if nxt is not None and not nxt.done():
+            if nxt is not None:
+                # Pending: cancel it. Done (the generator ended or yielded while the client hung
+                # up): awaiting collects that outcome, which asyncio would otherwise report as
+                # "Task exception was never retrieved".
                 nxt.cancel()
                 with contextlib.suppress(BaseException):
                     await nxt
