@@ -66,9 +66,11 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._json(self.server.health_code, HEALTH)
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [
-                {"id": "smollm2", "object": "model", "owned_by": "edge-agent",
-                 "state": "serving", "context": 2048}]})
+            self._json(200, {"object": "list", "data": [  # as edge_agent/daemon/routes.py
+                {"id": "smollm2", "object": "model", "owned_by": "edge-agent", "created": 0,
+                 "state": "serving", "context": 2048, "max_batch": 8},
+                {"id": "coder", "object": "model", "owned_by": "edge-agent", "created": 0,
+                 "state": "unloaded", "context": 4096, "max_batch": 16}]})
         elif self.path == "/metrics":
             raw = b"boom"
             self.send_response(500)
@@ -162,7 +164,7 @@ def test_health_models_and_requests(daemon: FakeDaemon) -> None:
     c = client(daemon)
     assert c.available()
     assert c.health() == HEALTH
-    assert [m["id"] for m in c.models()] == ["smollm2"]
+    assert [m["id"] for m in c.models()] == ["smollm2", "coder"]
     assert c.submit("hi", max_tokens=4) == "req-1"
     assert daemon.requests[-1] == ("POST", "/v1/requests", {"max_tokens": 4, "prompt": "hi"})
     assert c.get_request("a/b")["id"] == "a%2Fb"  # ids are quoted into the path
@@ -345,7 +347,9 @@ def test_status_socket_from_configuration(daemon: FakeDaemon, monkeypatch: pytes
 def test_models_command(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
     sock = str(daemon.server_address)
     assert cli.main(["models", "--socket", sock]) == 0
-    assert capsys.readouterr().out.split() == ["smollm2", "state=serving,", "context=2048"]
+    assert capsys.readouterr().out.splitlines() == ["NAME     STATE     CONTEXT  BATCH",
+                                                    "smollm2  serving   2048     8",
+                                                    "coder    unloaded  4096     16"]
     assert cli.main(["models", "--json", "--socket", sock]) == 0
     assert json.loads(capsys.readouterr().out)[0]["id"] == "smollm2"
 

@@ -244,13 +244,17 @@ def run_models(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.json:
         print(json.dumps(models), file=out)
         return 0
-    for m in models:
-        name = m.get("id") or m.get("name") or "?"
-        rest = {k: v for k, v in m.items()
-                if k not in ("id", "name", "object", "created", "owned_by")}
-        print(f"{name:<20} {_inline(rest)}".rstrip(), file=out)
     if not models:
         print("edge-agent: the daemon has no models configured", file=sys.stderr)
+        return 0
+    table = [("NAME", "STATE", "CONTEXT", "BATCH")]
+    for m in models:
+        table.append((str(m.get("id") or m.get("name") or "?"), _scalar(m.get("state")),
+                      _scalar(m.get("context")), _scalar(m.get("max_batch"))))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),
+              file=out)
     return 0
 
 
