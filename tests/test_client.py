@@ -326,6 +326,9 @@ def test_status_text_with_only_the_headline() -> None:
     assert render_health({"status": "loading"}, "/s", 503) == \
         "edge-agent: loading (HTTP 503, socket /s)"
     assert render_health({}, "/s", 200) == "edge-agent: ok (HTTP 200, socket /s)"
+    for uptime, shown in ((5.7, "5s"), (60, "1m00s"), (3720.2, "1h02m"), (86399, "23h59m")):
+        assert render_health({"status": "loading", "uptime_s": uptime}, "/s", 503) == \
+            f"edge-agent: loading (up {shown}, HTTP 503, socket /s)"
 
 
 def test_status_when_daemon_is_down(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

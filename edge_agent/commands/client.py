@@ -84,6 +84,13 @@ def _inline(table: dict[str, Any]) -> str:
     return ", ".join(f"{k}={_scalar(v)}" for k, v in table.items()) or "-"
 
 
+def _table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+    """Rows as left-aligned columns two spaces apart (the first row is the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
 def _mib(n: Any) -> str:
     return f"{n / 2**20:.0f} MiB" if isinstance(n, (int, float)) else "?"
 
@@ -93,7 +100,7 @@ def _duration(seconds: Any) -> str:
         return "?"
     s = int(seconds)
     if s < 60:
-        return f"{seconds:.0f}s"
+        return f"{s}s"
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     if s < 86400:
@@ -175,10 +182,7 @@ def _model_rows(models: Any) -> list[str]:
             notes.append(f"  {name}: {m['reason']}")
         if lock.get("error"):
             notes.append(f"  {name}: weights not locked: {lock['error']}")
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    rows = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in table]
-    return ["models:", *rows, *notes]
+    return ["models:", *_table(table, indent="  "), *notes]
 
 
 _SECTIONS = {"queue": _queue_line, "pressure": _pressure_line, "journal": _journal_line}
@@ -251,10 +255,7 @@ def run_models(args: argparse.Namespace, out: TextIO | None = None) -> int:
     for m in models:
         table.append((str(m.get("id") or m.get("name") or "?"), _scalar(m.get("state")),
                       _scalar(m.get("context")), _scalar(m.get("max_batch"))))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),
-              file=out)
+    print("\n".join(_table(table)), file=out)
     return 0
 
 
