@@ -147,7 +147,7 @@ def _journal_line(j: dict[str, Any]) -> str:
     line = f"{j.get('path', '?')} (synchronous {j.get('synchronous', '?')}, " \
            f"ack {j.get('ack', '?')})"
     if isinstance(j.get("steps"), int):
-        line += f", {j['steps']} steps written"
+        line += f", {j['steps']} decode steps committed"
     if j.get("quarantined"):
         line += f"; a corrupt journal was moved aside to {j['quarantined']}"
     return line
