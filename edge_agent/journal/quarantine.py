@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.journal.errors import JournalError
+from edge_agent.paths import fsync_dir
 
 __all__ = ["QuarantineEvent", "check_integrity", "is_corruption", "quarantine", "wal_keep_path"]
 
@@ -53,14 +54,6 @@ def is_corruption(exc: sqlite3.DatabaseError) -> bool:
     if code is not None:
         return (code & 0xFF) in _CORRUPT_CODES
     return type(exc) is sqlite3.DatabaseError  # Python 3.10: no error code; CORRUPT/NOTADB
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def wal_keep_path(path: Path) -> Path:
@@ -101,7 +94,7 @@ def quarantine(path: Path, reason: str, *, now: float) -> QuarantineEvent:
         if kept.exists():
             os.replace(kept, target.with_name(target.name + "-wal"))
         os.replace(path, target)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         raise JournalError(
             f"journal {path} is corrupt ({reason}) and could not be moved aside to {target}: "

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.errors import ConfigError, EdgeAgentError, ModelFileError
+from edge_agent.paths import fsync_dir
 from edge_agent.runtime import quant
 from edge_agent.runtime.gguf import GGUFFile
 from edge_agent.runtime.prepared_format import (
@@ -200,11 +201,7 @@ def _write(g: GGUFFile, final: Path, head: bytes, tensors: list[PreparedTensor],
         os.close(fd)
         fd = -1
         os.replace(tmp, final)
-        dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(final.parent)
     except OSError as exc:
         raise EdgeAgentError(
             f"{tmp}: writing prepared weights failed: {exc.strerror}. Hint: check free space "
