@@ -48,6 +48,7 @@ from edge_agent.journal.migrations import MIGRATIONS, Migrations
 from edge_agent.journal.quarantine import (
     QuarantineEvent,
     check_integrity,
+    integrity_pragma,
     is_corruption,
     quarantine,
     wal_keep_path,
@@ -80,10 +81,6 @@ def default_journal_path(state_dir: str | os.PathLike[str]) -> Path:
 
 def _default_connect(path: str) -> sqlite3.Connection:
     return sqlite3.connect(path, timeout=10.0, isolation_level=None)
-
-
-def _pragma_name(check: str) -> str:
-    return "integrity_check" if check == "full" else "quick_check"
 
 
 class Journal:
@@ -268,7 +265,8 @@ def open_journal(
                 check_s, overlap_s = time.monotonic() - t_check, 0.0
             if problems:
                 lines = [ln.strip() for p in problems for ln in p.splitlines() if ln.strip()]
-                raise sqlite3.DatabaseError(f"{_pragma_name(check)}: " + "; ".join(lines[:3])[:300])
+                raise sqlite3.DatabaseError(f"{integrity_pragma(check == 'full')}: "
+                                            + "; ".join(lines[:3])[:300])
             version = _version(conn, path, migrations)
             migrations.apply(db)
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])

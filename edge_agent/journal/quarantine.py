@@ -21,7 +21,8 @@ from typing import Any
 from edge_agent.journal.errors import JournalError
 from edge_agent.paths import fsync_dir
 
-__all__ = ["QuarantineEvent", "check_integrity", "is_corruption", "quarantine", "wal_keep_path"]
+__all__ = ["QuarantineEvent", "check_integrity", "integrity_pragma", "is_corruption", "quarantine",
+           "wal_keep_path"]
 
 _CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
 CHECK_MMAP_BYTES = 1 << 30  # memory map used while checking (address space, not memory)
@@ -60,6 +61,11 @@ def wal_keep_path(path: Path) -> Path:
     return path.with_name(path.name + "-wal.found")
 
 
+def integrity_pragma(full: bool) -> str:
+    """The PRAGMA `check_integrity` runs: integrity_check when full, else quick_check."""
+    return "integrity_check" if full else "quick_check"
+
+
 def check_integrity(conn: sqlite3.Connection, *, full: bool = False) -> list[str]:
     """Problems found by `quick_check` (or `integrity_check` when full); [] when the file is ok.
 
@@ -68,7 +74,7 @@ def check_integrity(conn: sqlite3.Connection, *, full: bool = False) -> list[str
     as SQLite errors, never as SIGBUS. Raises sqlite3.DatabaseError when the file is too
     damaged to check at all.
     """
-    pragma = "integrity_check" if full else "quick_check"
+    pragma = integrity_pragma(full)
     conn.execute(f"PRAGMA mmap_size={CHECK_MMAP_BYTES}").fetchall()
     try:
         rows = [str(r[0]) for r in conn.execute(f"PRAGMA {pragma}(20)").fetchall()]
