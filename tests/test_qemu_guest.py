@@ -112,8 +112,10 @@ def test_arm64_disk_and_uart_on_a_host_pty(arm64: GuestImage, tmp_path: Path) ->
     content.mkdir()
     (content / "from-host.txt").write_text("written on the host\n")
     image = make_ext4(tmp_path / "state.img", 32, content)
+    # The UART is opened (fd 3) before "ready": bytes that arrive while no process has the
+    # tty open can be lost, and the host writes as soon as it sees "ready".
     cmd = ("cat /mnt/disk/from-host.txt; echo from-guest > /mnt/disk/from-guest.txt; "
-           "echo ready; read -r line < /dev/ttyAMA0; echo \"uart said $line\"; "
+           "exec 3< /dev/ttyAMA0; echo ready; read -r line <&3; echo \"uart said $line\"; "
            "echo pong > /dev/ttyAMA0")
     with Arm64Guest(cmd, disks=[image], uart=True, image=arm64, with_source=False) as guest:
         assert guest.uart_path is not None and guest.uart_path.startswith("/dev/pts/")
