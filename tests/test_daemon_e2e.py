@@ -145,6 +145,24 @@ def test_streaming_sse(daemon: Daemon, expected: dict[str, str]) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_streamed_reply_with_a_stop_list_equals_the_whole_reply(daemon: Daemon) -> None:
+    """A stop list that never matches holds text back until the model's end-of-sequence
+    token: the SSE stream and the native event stream still carry every character."""
+    body = {"messages": CHAT, "max_tokens": 200, "temperature": 0, "stop": ["ZZZZZZZZZZ"]}
+    status, whole = daemon.json("POST", "/v1/chat/completions", body)
+    assert status == 200 and whole["choices"][0]["finish_reason"] == "stop", whole
+    text = whole["choices"][0]["message"]["content"]
+    assert len(text) > 10
+    status, _, data = daemon.call("POST", "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(data)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+    status, r = daemon.json("POST", "/v1/requests", body)
+    assert status == 202
+    status, _, data = daemon.call("GET", f"/v1/requests/{r['id']}/events?from=0")
+    events = [json.loads(e) for e in sse_events(data)]
+    assert "".join(e["text"] for e in events[:-1]) == text == events[-1]["text"]
+
+
 def test_malformed_and_bad_fields_are_400_naming_the_field(daemon: Daemon) -> None:
     status, _, data = daemon.call("POST", "/v1/completions", raw=b'{"prompt": "x",')
     err = json.loads(data)["error"]

@@ -3,8 +3,11 @@
 Invariants owned here:
 - `pieces[i]` is the text released after generated token i (possibly ""), so the concatenation
   of `pieces` is the output so far and `GET /v1/requests/{id}/events?from=N` can resume at any
-  token index. Text is released only as whole UTF-8 characters (IncrementalDecoder) and is held
-  back only while it could still be the start of a stop string.
+  token index. A piece, once appended, never changes (a stream may have sent it): text released
+  when the request ends without a new token (held back for a stop string, then the model's
+  end-of-sequence token) is one more piece, at index len(tokens). Text is released only as
+  whole UTF-8 characters (IncrementalDecoder) and is held back only while it could still be
+  the start of a stop string.
 - A new attempt (after a runner death or a restart) resumes by prefill: the runner is given
   prompt + `tokens` and its first token is generation index len(tokens) (sampling is keyed by
   (seed, generation index)), so nothing is regenerated; a token routed for an index below
@@ -107,11 +110,14 @@ class RequestRecord:
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep:]
         self.text += out
-        if self.pieces and len(self.pieces) >= len(self.tokens):
-            self.pieces[-1] += out
-        else:
+        if len(self.pieces) < len(self.tokens):  # the piece of the newest token
             while len(self.pieces) < len(self.tokens) - 1:
                 self.pieces.append("")
+            self.pieces.append(out)
+        elif out:
+            # Text released with no new token (held back until an end-of-sequence token or a
+            # stop check): a piece of its own. The newest token's piece may already have been
+            # streamed, so appending to it would lose this text on every live stream.
             self.pieces.append(out)
         self._notify()
 

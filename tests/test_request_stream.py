@@ -1,0 +1,122 @@
+"""A streamed reply carries exactly the text of the same reply fetched whole.
+
+`RequestRecord` turns generated token ids into released text pieces; the OpenAI SSE stream, the
+native `/v1/requests/{id}/events` stream and the UART all read those pieces with `follow()`,
+and a non-streamed reply reads `text`. Text held back because it could start a stop string, then
+released when the model ends (end-of-sequence token, length limit), must reach a stream that
+already read every earlier piece. The tokens are real ids of the default model's vocabulary
+(byte-level BPE: multi-byte characters are split across tokens), decoded by the real
+tokenizer; stop strings are cut from the decoded text so that they really occur, straddle token
+and character boundaries, or never match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge_agent.daemon.requests import RequestRecord
+from edge_agent.protocol.api import GenerationRequest
+from edge_agent.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from edge_agent.scheduler import Job
+
+EOS = 2  # <|im_end|> of the default model
+TEXTS = ["Hello, world!\n\n\nZZZZZZZZZZ end", "héllo wörld — ünïcode ✓ 日本語 🙂🙂 done",
+         "a\n\n\n\nb", "stop STOP st op", "🙂", "ZZZZZZZZZZZZZZZZZZZZZZ"]
+
+
+def _request(stop: tuple[str, ...], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(chat=False, model=None, prompt="x", messages=None,
+                             max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                             seed=None, stop=stop, stream=True, priority=None, timeout_ms=None)
+
+
+def _expected(tok: Tokenizer, ids: list[int], stop: tuple[str, ...], max_new: int) -> str:
+    """The oracle: decode what the model generated before it ended, cut at the first stop."""
+    body: list[int] = []
+    for t in ids:
+        if t == EOS or len(body) >= max_new:
+            break
+        body.append(t)
+    text = tok.decode(body)
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def _run(tok: Tokenizer, ids: list[int], stop: tuple[str, ...], max_new: int) -> tuple[str, str,
+                                                                                        str]:
+    """Push `ids` into a record while a reader drains it after every token, as a live stream
+    does; return (text seen by the live reader, a stream read after the end, record text)."""
+
+    async def go() -> tuple[str, str, str]:
+        rec = RequestRecord(job=Job(id="r1", model="m", prompt_ids=[1]),
+                            request=_request(stop, max_new), model="m",
+                            decoder=IncrementalDecoder(tok), prompt_tokens=1,
+                            stop_ids=frozenset({EOS}), context=4096)
+        live: list[str] = []
+        reader = rec.follow(0)
+        pending = asyncio.ensure_future(reader.__anext__())
+        for t in ids:
+            if rec.push(t):
+                break
+            await asyncio.sleep(0)  # the reader takes every piece released so far
+            while pending.done():
+                live.append(pending.result()[1])
+                pending = asyncio.ensure_future(reader.__anext__())
+                await asyncio.sleep(0)
+        assert rec.done.is_set(), "the drawn tokens end by end-of-sequence or max_tokens"
+        try:
+            while True:
+                live.append((await pending)[1])
+                pending = asyncio.ensure_future(reader.__anext__())
+        except StopAsyncIteration:
+            pass
+        late = "".join([p async for _, p in rec.follow(0)])
+        return "".join(live), late, rec.text
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def corpus(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_text_equals_whole_text(tokenizer: Tokenizer, corpus: list[list[int]],
+                                         data: st.DataObject) -> None:
+    ids = list(data.draw(st.sampled_from(corpus), label="tokens"))
+    assert ids
+    cut = data.draw(st.integers(0, len(ids)), label="end-of-sequence at")
+    with_eos = data.draw(st.booleans(), label="ends on end-of-sequence")
+    if with_eos:
+        ids = ids[:cut] + [EOS]
+    text = tokenizer.decode([t for t in ids if t != EOS])
+    stop_from_text = st.builds(lambda a, n: text[a:a + n], st.integers(0, max(0, len(text) - 1)),
+                               st.integers(1, 12)).filter(bool)
+    stop = tuple(data.draw(st.lists(st.one_of(stop_from_text, st.sampled_from(
+        ["\n\n\n\n", "ZZZZZZZZZZ", "never-there", "🙂🙂", "é"])), max_size=3), label="stop"))
+    # without an end-of-sequence token the length limit must end the reply within `ids`
+    max_new = data.draw(st.integers(1, len(ids) + 2 if with_eos else max(1, len(ids))),
+                        label="max_tokens")
+    live, late, whole = _run(tokenizer, ids, stop, max_new)
+    expected = _expected(tokenizer, ids, stop, max_new)
+    assert whole == expected
+    assert late == expected
+    assert live == expected
+
+
+@pytest.mark.parametrize("stop", [("\n\n\n\n",), ("ZZZZZZZZZZ",)])
+def test_text_held_for_a_stop_reaches_a_live_stream_at_end_of_sequence(
+        tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    """The case as a client met it: no stop occurs, the model ends on its end-of-sequence
+    token, and the last (longest stop - 1) characters were held back until then."""
+    ids = tokenizer.encode("The end of the story.") + [EOS]
+    live, late, whole = _run(tokenizer, ids, stop, 64)
+    assert whole == "The end of the story."
+    assert live == whole and late == whole
