@@ -238,16 +238,14 @@ class DaemonClient:
         path = "/v1/flash/ports" + ("" if port is None else f"?port={quote(port, safe='')}")
         return dict(self._json("GET", path))
 
-    def flash_submit(self, board: str, port: str, *, elf_path: str | None = None,
-                     elf_bytes: bytes | None = None, **options: Any) -> dict[str, Any]:
-        """POST /v1/flash (the ELF as a path the daemon reads, or its bytes); the job at once."""
+    def flash_submit(self, board: str, port: str, elf_bytes: bytes,
+                     **options: Any) -> dict[str, Any]:
+        """POST /v1/flash (the ELF's bytes, a board profile name, an owned port exactly as
+        the daemon lists it); the job at once."""
         import base64
 
-        body: dict[str, Any] = {"board": board, "port": port, **options}
-        if elf_bytes is not None:
-            body["elf_base64"] = base64.b64encode(elf_bytes).decode("ascii")
-        else:
-            body["elf"] = elf_path
+        body: dict[str, Any] = {"board": board, "port": port, **options,
+                                "elf_base64": base64.b64encode(elf_bytes).decode("ascii")}
         return dict(self._json("POST", "/v1/flash", body, ok=(200, 202)))
 
     def flash_job(self, job_id: str) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """Flash handoff: `edge-agent flash` posts the job to a running daemon that owns the port.
 
-A daemon with no preloaded model (ready at once) owns a `stm32sim://` port through `flash.ports`;
-the simulator keeps its flash in a file, so the test can read back what the daemon wrote.
+A daemon with no preloaded model (ready at once) owns three `stm32sim://` ports through
+`flash.ports` (a plain board, one with readout protection on, one on a slow link); the simulator
+keeps its flash in a file, so the test can read back what the daemon wrote. The request takes
+the ELF's bytes, a board profile name and one of the owned port strings, nothing that names a
+file on the daemon's side.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import firmware
 import pytest
@@ -24,22 +28,46 @@ from daemon_proc import REPO, Daemon, launch, serve_argv
 pytestmark = [pytest.mark.timeout(240)]
 
 
-def sim_port(root: Path, board: str) -> str:
-    """A simulated F405 whose flash is the file ROOT/BOARD.bin."""
-    return f"stm32sim://?chip=f405&state={root / f'{board}.bin'}"
+def sim_port(root: Path, board: str, knobs: str = "") -> str:
+    """A simulated F405 whose flash is the file ROOT/BOARD.bin (KNOBS: '&key=value...')."""
+    return f"stm32sim://?chip=f405&state={root / f'{board}.bin'}{knobs}"
 
 
 class FlashDaemon(Daemon):
-    """The daemon owning `owned` (flash in ROOT/owned.bin); `other` is a board it does not
-    own."""
+    """The daemon owning `owned` (flash in ROOT/owned.bin), `locked` (readout protection on:
+    every job fails) and `slow` (a 9600-baud link: a job lasts about a second); `other` is a
+    board it does not own."""
 
     @property
     def owned(self) -> str:
         return sim_port(self.root, "owned")
 
     @property
+    def locked(self) -> str:
+        return sim_port(self.root, "locked", "&rdp=1")
+
+    @property
+    def slow(self) -> str:
+        return sim_port(self.root, "slow", "&baud=9600")
+
+    @property
     def other(self) -> str:
         return sim_port(self.root, "other")
+
+    @property
+    def uploads(self) -> Path:
+        return self.root / "state" / "flash" / "uploads"
+
+    def uploaded(self) -> list[Path]:
+        return sorted(self.uploads.iterdir()) if self.uploads.is_dir() else []
+
+    def wait_job(self, job: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while job["state"] not in ("done", "failed"):
+            assert time.monotonic() < end, job
+            time.sleep(0.05)
+            job = self.json("GET", f"/v1/flash/{job['id']}")[1]
+        return job
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
@@ -56,10 +84,12 @@ def fw(tmp_path_factory: pytest.TempPathFactory) -> firmware.FirmwareBuilder:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[FlashDaemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-fl-", dir="/tmp"))
-    owned = sim_port(root, "owned")
+    ports = [sim_port(root, "owned"), sim_port(root, "locked", "&rdp=1"),
+             sim_port(root, "slow", "&baud=9600")]
     (root / "config.toml").write_text(
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
-        f'[flash]\nports = "{owned}"\n'
+        'max_body_bytes = "8M"\n'
+        f'[flash]\nports = "{", ".join(ports)}"\n'
     )
     with launch(FlashDaemon, root, serve_argv(root / "config.toml"), ready_timeout=60,
                 grace=30) as d:
@@ -68,10 +98,12 @@ def daemon() -> Iterator[FlashDaemon]:
 
 def test_ports_the_daemon_owns(daemon: FlashDaemon) -> None:
     status, info = daemon.json("GET", "/v1/flash/ports")
-    assert status == 200 and info["ports"] == [daemon.owned]
-    # identity ignores the simulator's fault knobs: same board file, same port
-    status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.owned + "&nack=0x31"))
+    assert status == 200 and info["ports"] == [daemon.owned, daemon.locked, daemon.slow]
+    status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.owned))
     assert info["owned"] is True
+    # ports are compared as exact strings: the same board with a knob added is not owned
+    status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.owned + "&nack=0x31"))
+    assert info["owned"] is False and info["same_board_as"] == daemon.owned
     status, info = daemon.json("GET", "/v1/flash/ports?port=" + _q(daemon.other))
     assert info["owned"] is False
 
@@ -127,10 +159,9 @@ def test_port_not_owned_is_flashed_directly(daemon: FlashDaemon,
 
 def test_failed_job_in_the_daemon_is_exit_1_with_its_reason(
         daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -> None:
-    # the same board (owned) with readout protection on: Read Memory is NACKed, the job fails
-    port = daemon.owned + "&rdp=1"
-    r = daemon.cli("flash", str(fw.elf("good")), "--board", "stm32f405", "--port", port,
-                   "--socket", str(daemon.sock))
+    # an owned board with readout protection on: Read Memory is NACKed, the job fails
+    r = daemon.cli("flash", str(fw.elf("good")), "--board", "stm32f405", "--port",
+                   daemon.locked, "--socket", str(daemon.sock))
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "handed to it" in r.stderr and "failed in the daemon" in r.stderr, r.stderr
     assert "NACK" in r.stderr and "Hint:" in r.stderr
@@ -143,13 +174,12 @@ def test_bad_flash_requests(daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -
         ({**good, "port": daemon.other}, 409, "port_not_owned", "flash.ports"),
         ({**good, "colour": 1}, 400, "invalid_request", "'colour'"),
         ({**good, "elf_base64": "@@@"}, 400, "invalid_request", "'elf_base64'"),
-        ({**good, "elf": "/x.elf"}, 400, "invalid_request", "exactly one"),
+        ({k: v for k, v in good.items() if k != "elf_base64"}, 400, "invalid_request",
+         "'elf_base64'"),
         ({k: v for k, v in good.items() if k != "board"}, 400, "invalid_request", "'board'"),
         ({**good, "board": "nope"}, 400, "invalid_request", "'board'"),
         ({**good, "go": "yes"}, 400, "invalid_request", "'go'"),
         ({**good, "baud": 3}, 400, "invalid_request", "'baud'"),
-        ({"board": "stm32f405", "port": daemon.owned, "elf": "rel.elf"}, 400,
-         "invalid_request", "absolute"),
     ]
     for body, status, code, text in cases:
         got, r = daemon.json("POST", "/v1/flash", body)
@@ -158,15 +188,172 @@ def test_bad_flash_requests(daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -
     status, r = daemon.json("GET", "/v1/flash/flash-999")
     assert status == 404 and r["error"]["code"] == "flash_job_not_found"
     # an ELF the checks reject fails the job with the checker's reason
-    bad = base64.b64encode(b"not an elf at all").decode()
+    bad = base64.b64encode(fw.elf("no_at").read_bytes()).decode()
     status, job = daemon.json("POST", "/v1/flash", {**good, "elf_base64": bad})
     assert status == 202
-    end = time.monotonic() + 30
-    while job["state"] not in ("done", "failed"):
-        assert time.monotonic() < end
-        time.sleep(0.05)
-        job = daemon.json("GET", f"/v1/flash/{job['id']}")[1]
-    assert job["state"] == "failed" and "ELF" in job["error"]["message"]
+    job = daemon.wait_job(job)
+    assert job["state"] == "failed" and "outside stm32f405 flash" in job["error"]["message"]
+
+
+# -- the request names nothing on the daemon's side: bytes, a profile name, an owned port ------
+
+
+def _error(daemon: FlashDaemon, body: dict[str, Any]) -> tuple[int, str, str]:
+    status, r = daemon.json("POST", "/v1/flash", body)
+    assert "error" in r, (body, r)
+    return status, r["error"]["code"], r["error"]["message"]
+
+
+def test_an_elf_path_is_refused_whatever_it_names(
+        daemon: FlashDaemon, fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.elf"
+    secret.write_bytes(b"\x7fELF-SECRET-OF-THE-DAEMON-USER")
+    secret.chmod(0o644)
+    answers = set()
+    for path in (str(secret), str(fw.elf("good")), "/nonexistent/fw.elf", "rel.elf"):
+        status, code, message = _error(
+            daemon, {"elf": path, "board": "stm32f405", "port": daemon.owned})
+        assert (status, code) == (400, "invalid_request"), message
+        assert message.startswith("field 'elf':"), message
+        assert "elf_base64" in message.split("Hint:")[1], message
+        assert "SECRET" not in message and "no such file" not in message, message
+        answers.add(message.replace(path, "PATH"))
+    # an existing file, a readable ELF, a missing file and a relative name get the same answer
+    assert len(answers) == 1, answers
+    assert daemon.uploaded() == []
+
+
+def test_board_is_a_profile_name_never_a_path(daemon: FlashDaemon,
+                                              fw: firmware.FirmwareBuilder,
+                                              tmp_path: Path) -> None:
+    from firmware_tools.profiles import list_profiles, profile_dir
+
+    copy = tmp_path / "stm32f405.toml"
+    copy.write_bytes((profile_dir() / "stm32f405.toml").read_bytes())
+    elf64 = base64.b64encode(fw.elf("good").read_bytes()).decode()
+    for board in (str(copy), str(profile_dir() / "stm32f405.toml"), "stm32f405.toml",
+                  "../board_profiles/stm32f405", "board_profiles/stm32f405",
+                  "..\\board_profiles\\stm32f405", "/etc/passwd", "rpi5", "nope"):
+        status, code, message = _error(
+            daemon, {"elf_base64": elf64, "board": board, "port": daemon.owned})
+        assert (status, code) == (400, "invalid_request"), (board, message)
+        assert message.startswith("field 'board':"), message
+        assert ", ".join(list_profiles()) in message and "Hint:" in message, message
+    assert daemon.uploaded() == []
+
+
+def test_port_is_one_of_the_owned_strings_exactly(daemon: FlashDaemon,
+                                                 fw: firmware.FirmwareBuilder,
+                                                 tmp_path: Path) -> None:
+    elf64 = base64.b64encode(fw.elf("good").read_bytes()).decode()
+    timeline = tmp_path / "timeline.tsv"
+    for port in (daemon.owned + f"&timeline={timeline}", daemon.owned + "&nack=0x31",
+                 daemon.locked.replace("&rdp=1", ""), daemon.owned.replace("chip=f405&", "") +
+                 "&chip=f405", daemon.owned + " "):
+        status, code, message = _error(
+            daemon, {"elf_base64": elf64, "board": "stm32f405", "port": port})
+        assert (status, code) == (409, "port_not_owned"), (port, message)
+        assert all(p in message for p in (daemon.owned, daemon.locked, daemon.slow)), message
+        assert "Hint:" in message
+    assert not timeline.exists() and daemon.uploaded() == []
+
+
+def test_uploads_are_bounded_by_the_largest_flash(daemon: FlashDaemon) -> None:
+    from firmware_tools.profiles import list_profiles, load_profile
+
+    largest = max(load_profile(n).flash_size for n in list_profiles())
+    status, info = daemon.json("GET", "/v1/flash/ports")
+    limit = info["max_elf_bytes"]
+    assert largest < limit <= largest + (1 << 20)
+    too_big = b"\x7fELF" + bytes(limit - 3)
+    status, code, message = _error(daemon, {"elf_base64": base64.b64encode(too_big).decode(),
+                                            "board": "stm32f405", "port": daemon.owned})
+    assert (status, code) == (413, "elf_too_large"), message
+    assert f"{limit + 1} bytes" in message and f"limit of {limit} bytes" in message, message
+    assert "largest flash" in message and "Hint:" in message, message
+    assert daemon.uploaded() == []
+
+
+def test_uploads_are_private_and_deleted_when_their_job_ends(
+        daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -> None:
+    good = base64.b64encode(fw.elf("good").read_bytes()).decode()
+    body = {"elf_base64": good, "board": "stm32f405", "port": daemon.slow}
+    status, job = daemon.json("POST", "/v1/flash", body)
+    assert status == 202, job
+    # while the job runs: its upload alone, readable by the daemon's user only
+    [upload] = daemon.uploaded()
+    assert upload.stat().st_mode & 0o777 == 0o600
+    assert daemon.uploads.stat().st_mode & 0o777 == 0o700
+    assert upload.read_bytes() == fw.elf("good").read_bytes()
+    # a request refused while it runs (port busy) leaves nothing behind
+    status, code, _ = _error(daemon, body)
+    assert (status, code) == (409, "port_busy")
+    assert daemon.uploaded() == [upload]
+    job = daemon.wait_job(job)
+    assert job["state"] == "done", job["error"]
+    assert daemon.uploaded() == []  # success
+    # failure: the board refuses (readout protection) ...
+    status, job = daemon.json("POST", "/v1/flash", {**body, "port": daemon.locked})
+    assert status == 202 and daemon.wait_job(job)["state"] == "failed"
+    assert daemon.uploaded() == []
+    # ... or the checks reject the ELF
+    no_at = base64.b64encode(fw.elf("no_at").read_bytes()).decode()
+    status, job = daemon.json("POST", "/v1/flash", {**body, "elf_base64": no_at,
+                                                    "port": daemon.owned})
+    assert status == 202 and daemon.wait_job(job)["state"] == "failed"
+    assert daemon.uploaded() == []
+
+
+def test_errors_never_show_the_bytes_of_the_file(daemon: FlashDaemon) -> None:
+    for data in (b"SECRET-CONTENT-" * 8, b"\x7fELFSECRET-CONTENT-" * 8, b"\x7fELF"):
+        body = {"elf_base64": base64.b64encode(data).decode(), "board": "stm32f405",
+                "port": daemon.owned}
+        status, r = daemon.json("POST", "/v1/flash", body)
+        if status == 202:
+            r = daemon.wait_job(r)
+            assert r["state"] == "failed"
+        message = r["error"]["message"]
+        assert "Hint:" in message, message
+        for piece in ("SECR", "ECRE", "CONTENT", "b'", 'b"'):
+            assert piece not in message, message
+    assert "SECR" not in daemon.log_tail()
+    assert daemon.uploaded() == []
+
+
+@pytest.fixture(scope="module")
+def small_daemon() -> Iterator[FlashDaemon]:
+    """A daemon started over uploads a killed one left behind, with a body limit (8 KiB)
+    smaller than the test ELF in base64."""
+    root = Path(tempfile.mkdtemp(prefix="ea-fl2-", dir="/tmp"))
+    uploads = root / "state" / "flash" / "uploads"
+    uploads.mkdir(parents=True)
+    for name in ("flash-1-1700000000.elf", "flash-2-1700000001.elf", "leftover.tmp"):
+        (uploads / name).write_bytes(b"\x7fELF left by a daemon that was killed")
+    (root / "config.toml").write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        'max_body_bytes = "8K"\n'
+        f'[flash]\nports = "{sim_port(root, "owned")}"\n'
+    )
+    with launch(FlashDaemon, root, serve_argv(root / "config.toml"), ready_timeout=60,
+                grace=30) as d:
+        yield d
+
+
+def test_stale_uploads_are_removed_at_start(small_daemon: FlashDaemon) -> None:
+    assert small_daemon.uploads.is_dir() and small_daemon.uploaded() == []
+
+
+def test_cli_sends_the_elf_bytes_never_its_path(small_daemon: FlashDaemon,
+                                               fw: firmware.FirmwareBuilder) -> None:
+    d = small_daemon
+    elf = fw.elf("good")
+    assert len(base64.b64encode(elf.read_bytes())) > 8 * 1024
+    r = d.cli("flash", str(elf), "--board", "stm32f405", "--port", d.owned,
+              "--socket", str(d.sock))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "max_body_bytes" in r.stderr and "Hint:" in r.stderr, r.stderr
+    assert "handed to it" not in r.stderr
+    assert not (d.root / "owned.bin").exists()  # nothing flashed, by the daemon or directly
 
 
 def _q(text: str) -> str:

@@ -263,6 +263,37 @@ def _daemon_socket(args: argparse.Namespace) -> Any:
         return None
 
 
+def _fits_daemon(args: argparse.Namespace, board: str, size: int, info: dict[str, Any],
+                 sock: Any) -> None:
+    """The daemon takes the ELF only as bytes in the request body, and a board by name: refuse
+    here, with what to change, what it would refuse."""
+    from edge_agent.client import DaemonError
+
+    if args.board != board and args.board.lower() != board:
+        raise UsageError(
+            f"flash: --board {args.board} is a profile file, but the daemon on {sock} that owns "
+            f"{args.port} takes board profile names only. Hint: install the profile in the "
+            "daemon's board_profiles/ and pass its name, or flash from this process with "
+            "--local.")
+    body = (size + 2) // 3 * 4 + len(args.port) + len(board) + 256  # base64 + the JSON
+    body_limit = int(info.get("max_body_bytes") or 0)
+    elf_limit = int(info.get("max_elf_bytes") or 0)
+    if elf_limit and size > elf_limit:
+        raise DaemonError(
+            "elf_too_large",
+            f"flash: {args.target} is {size} bytes, more than the {elf_limit} bytes the daemon "
+            f"on {sock} takes for a firmware ELF. Hint: check that this is the firmware ELF; "
+            "strip its debug sections (arm-none-eabi-strip -g) if it is.")
+    if body_limit and body > body_limit:
+        raise DaemonError(
+            "body_too_large",
+            f"flash: {args.target} is {size} bytes, about {body} bytes sent base64-encoded, "
+            f"more than the daemon on {sock} takes in a request (server.max_body_bytes = "
+            f"{body_limit}). Hint: raise server.max_body_bytes in the daemon's configuration "
+            f"to at least {body}, strip the ELF's debug sections (arm-none-eabi-strip -g), or "
+            "flash from this process with --local while the daemon does not hold the port.")
+
+
 def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
     """Hand the job to a running daemon that owns the port; None when it does not."""
     from edge_agent.client import DaemonClient, DaemonError
@@ -278,24 +309,22 @@ def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
             return None
         raise
     if not info.get("owned"):
+        if info.get("same_board_as"):
+            print(f"edge-agent: note: the daemon on {sock} owns this board as "
+                  f"{info['same_board_as']!r}; --port with exactly that string hands the job "
+                  "to it", file=sys.stderr)
         return None
     try:
         with open(args.target, "rb") as fh:
             data = fh.read()
     except OSError:
         return None  # the direct path reports an unreadable ELF with its own message
+    _fits_daemon(args, board, len(data), info, sock)
     options: dict[str, Any] = {"dry_run": False, "resume": bool(args.resume),
                                "go": not args.no_go}
     if args.baud is not None:
         options["baud"] = args.baud
-    import os
-
-    limit = int(info.get("max_body_bytes") or 0)
-    if len(data) * 4 // 3 + 4096 <= limit:
-        job = client.flash_submit(board, args.port, elf_bytes=data, **options)
-    else:  # too big for the daemon's body limit: let it read the file itself
-        job = client.flash_submit(board, args.port, elf_path=os.path.abspath(args.target),
-                                  **options)
+    job = client.flash_submit(board, args.port, data, **options)
     print(f"edge-agent: {args.port} is owned by the daemon on {sock}: flash job {job['id']} "
           "handed to it (--local flashes from here)", file=sys.stderr)
     bar = _Progress(enabled=not args.json)

@@ -1,11 +1,20 @@
 """Flash jobs run by the daemon on ports it owns (POST /v1/flash, GET /v1/flash/{id}).
 
 Invariants owned here:
-- The daemon flashes only ports it owns: `flash.ports` plus every `serial.port`, compared by
-  `firmware_tools.flasher.port_identity` (fault knobs and options of a URL do not matter). Any
-  other port is refused (409 port_not_owned): the CLI flashes those directly.
-- At most one job per port at a time (409 port_busy). A UART transport holding the port is
-  closed for the job and started again after it, whatever the outcome.
+- A request names nothing on the daemon's side: the ELF comes as bytes (`elf_base64`; a path
+  field `elf` is refused), the board as a profile name from `firmware_tools.profiles`
+  (`list_profiles()`; no path, no .toml file), the port as one of the owned port strings.
+- The daemon flashes only ports it owns: `flash.ports` plus every `serial.port`, compared as
+  exact strings, so a client cannot add options or simulator knobs to an owned URL. Any other
+  port is refused (409 port_not_owned): the CLI flashes those directly.
+- At most one job per board at a time (409 port_busy; the busy key is
+  `firmware_tools.flasher.port_identity`). A UART transport holding the port is closed for the
+  job and started again after it, whatever the outcome.
+- An upload is at most `upload_limit()` (the largest flash among the MCU profiles plus
+  ELF_OVERHEAD) and must start with the ELF magic; it is written to
+  `<state_dir>/flash/uploads/<job id>.elf` (directory 0700, file 0600) only once the job is
+  accepted, and deleted when the job ends, whatever the outcome. Leftovers (a daemon killed
+  mid-job) are removed when the service starts. No error carries bytes of the upload.
 - `flash_elf` runs in a worker thread; the event loop never blocks on the bootloader. Progress
   crosses back with `call_soon_threadsafe`; only the loop thread touches jobs and the journal.
 - With the journal enabled a job is a `flash_jobs` row (an interrupted job of the same image,
@@ -20,11 +29,12 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hashlib
 import itertools
 import json
+import os
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,15 +47,17 @@ if TYPE_CHECKING:
 __all__ = ["FlashService", "FlashJobRecord", "parse_flash_request", "FlashRequest"]
 
 KEEP_FINISHED = 32
-_FIELDS = ("elf", "elf_base64", "board", "port", "baud", "dry_run", "resume", "go")
+_FIELDS = ("elf_base64", "board", "port", "baud", "dry_run", "resume", "go")
+ELF_MAGIC = b"\x7fELF"
+ELF_OVERHEAD = 1 << 20  # ELF headers, symbols and debug sections on top of the flash image
+_BODY_SHAPE = '{"elf_base64": ..., "board": ..., "port": ...}'
 
 
 @dataclass(frozen=True)
 class FlashRequest:
     board: str
     port: str
-    elf: str | None = None
-    elf_bytes: bytes | None = None
+    elf_bytes: bytes
     baud: int | None = None
     dry_run: bool = False
     resume: bool = False
@@ -56,39 +68,60 @@ def _bad(field_name: str, problem: str, hint: str) -> ApiError:
     return ApiError(400, "invalid_request", f"field {field_name!r}: {problem}. Hint: {hint}")
 
 
-def parse_flash_request(body: bytes) -> FlashRequest:
-    """Validate a POST /v1/flash body (pure). ApiError 400 names the field."""
+def _size(n: int) -> str:
+    return f"{n // (1 << 20)} MiB" if n % (1 << 20) == 0 else f"{n // 1024} KiB"
+
+
+def upload_limit() -> tuple[int, str]:
+    """The largest ELF the daemon takes, and why: the largest flash among the MCU profiles
+    plus ELF_OVERHEAD (profiles that do not load are left out)."""
+    from firmware_tools.errors import FirmwareError
+    from firmware_tools.profiles import list_profiles, load_profile, profile_dir
+
+    largest, name = 0, ""
+    for board in list_profiles():
+        try:
+            size = load_profile(profile_dir() / f"{board}.toml").flash_size
+        except (FirmwareError, OSError):
+            continue
+        if size > largest:
+            largest, name = size, board
+    why = (f"the largest flash of the board profiles ({_size(largest)}, {name}) plus "
+           f"{_size(ELF_OVERHEAD)} for ELF headers, symbols and debug sections")
+    return largest + ELF_OVERHEAD, why
+
+
+def parse_flash_request(body: bytes, *, boards: Sequence[str],
+                        max_elf_bytes: int, limit_why: str = "") -> FlashRequest:
+    """Validate a POST /v1/flash body against the known board names and the upload limit
+    (pure). ApiError 400 names the field; 413 elf_too_large says the limit."""
     try:
         d = json.loads(body or b"null")
     except ValueError as exc:
         raise ApiError(400, "malformed_json", f"request body is not JSON ({exc}). Hint: send "
-                       '{"elf_base64": ..., "board": ..., "port": ...}.') from exc
+                       f"{_BODY_SHAPE}.") from exc
     if not isinstance(d, dict):
         raise ApiError(400, "invalid_request", "request body must be a JSON object. Hint: send "
-                       '{"elf_base64": ..., "board": ..., "port": ...}.')
+                       f"{_BODY_SHAPE}.")
+    if "elf" in d:
+        raise _bad("elf", "the daemon does not read files named by a request, so a path is "
+                   "refused", "send the file's bytes, base64-encoded, as elf_base64 "
+                   "(`edge-agent flash FW.ELF --port PORT` does this)")
     unknown = sorted(set(d) - set(_FIELDS))
     if unknown:
         raise _bad(unknown[0], "unknown field", f"valid fields: {', '.join(_FIELDS)}")
+    known = ", ".join(boards) or "(none)"
     for name in ("board", "port"):
         if not isinstance(d.get(name), str) or not d[name]:
             raise _bad(name, f"expected a non-empty string, got {json.dumps(d.get(name))}",
-                       "board: an MCU profile name (e.g. stm32f405); port: a pyserial URL")
-    has_path, has_bytes = d.get("elf") is not None, d.get("elf_base64") is not None
-    if has_path == has_bytes:
-        raise _bad("elf", "give exactly one of 'elf' (a path the daemon can read) and "
-                   "'elf_base64' (the file's bytes)", "the CLI sends elf_base64")
-    elf_bytes = None
-    if has_path and (not isinstance(d["elf"], str) or not d["elf"].startswith("/")):
-        raise _bad("elf", f"expected an absolute path, got {json.dumps(d['elf'])}",
-                   "the daemon's working directory is not yours; send an absolute path")
-    if has_bytes:
-        if not isinstance(d["elf_base64"], str):
-            raise _bad("elf_base64", "expected a base64 string", "base64-encode the ELF file")
-        try:
-            elf_bytes = base64.b64decode(d["elf_base64"], validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise _bad("elf_base64", f"not valid base64 ({exc})",
-                       "base64-encode the ELF file (standard alphabet, padded)") from exc
+                       f"board: a profile name, one of {known}; port: one of the ports "
+                       "GET /v1/flash/ports lists")
+    board = d["board"]
+    if any(sep in board for sep in ("/", "\\", os.sep)) or board not in boards:
+        what = ("a path; boards are named, not read from files" if any(
+            sep in board for sep in ("/", "\\", os.sep)) else "not a known board profile")
+        raise _bad("board", f"{json.dumps(board)} is {what}", f"use one of: {known}")
+    elf_bytes = _elf_bytes(d.get("elf_base64"), max_elf_bytes, limit_why)
     baud = d.get("baud")
     if baud is not None and (isinstance(baud, bool) or not isinstance(baud, int)
                              or not 50 <= baud <= 16_000_000):
@@ -101,8 +134,37 @@ def parse_flash_request(body: bytes) -> FlashRequest:
             raise _bad(name, f"expected true or false, got {json.dumps(value)}",
                        "use a JSON boolean")
         flags[name] = value
-    return FlashRequest(board=d["board"], port=d["port"], elf=d.get("elf"),
-                        elf_bytes=elf_bytes, baud=baud, **flags)
+    return FlashRequest(board=board, port=d["port"], elf_bytes=elf_bytes, baud=baud, **flags)
+
+
+def _elf_bytes(text: Any, limit: int, why: str) -> bytes:
+    """The ELF from `elf_base64`: bounded, and starting with the ELF magic. Messages give
+    sizes only, never the bytes."""
+    if text is None:
+        raise _bad("elf_base64", "missing", "send the ELF file's bytes, base64-encoded")
+    if not isinstance(text, str):
+        raise _bad("elf_base64", "expected a base64 string", "base64-encode the ELF file")
+
+    def too_large(size: int) -> ApiError:
+        return ApiError(413, "elf_too_large", f"field 'elf_base64': the ELF is {size} bytes, "
+                        f"over the limit of {limit} bytes ({why or 'the upload limit'}). "
+                        "Hint: check that this is the firmware ELF; strip its debug sections "
+                        "(arm-none-eabi-strip -g) if it is.")
+
+    if len(text) // 4 * 3 > limit + 3:  # refuse before decoding
+        raise too_large(len(text) // 4 * 3)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _bad("elf_base64", f"not valid base64 ({exc})",
+                   "base64-encode the ELF file (standard alphabet, padded)") from exc
+    if len(data) > limit:
+        raise too_large(len(data))
+    if not data.startswith(ELF_MAGIC):
+        raise _bad("elf_base64", f"the {len(data)} bytes are not an ELF file (they do not start "
+                   "with the ELF magic 7f 45 4c 46)", "send the linker's ELF output (e.g. "
+                   "build/fw.elf), not a .bin or .hex file")
+    return data
 
 
 @dataclass
@@ -140,6 +202,11 @@ class FlashService:
         self._busy: dict[str, str] = {}  # port identity -> job id
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._remove_stale_uploads()
+
+    @property
+    def uploads(self) -> Path:
+        return self.d.state_dir / "flash" / "uploads"
 
     # -- ownership ---------------------------------------------------------------------------
     def owned_ports(self) -> list[str]:
@@ -150,16 +217,25 @@ class FlashService:
         return list(dict.fromkeys([*extra, *serial_ports(self.d.config)]))
 
     def owns(self, port: str) -> bool:
+        """Exactly one of the configured strings: no option or knob may be added to it."""
+        return port in self.owned_ports()
+
+    def same_board_as(self, port: str) -> str | None:
+        """The owned port naming the same board as `port` with other options, if any."""
         from firmware_tools.flasher import port_identity
 
-        return port_identity(port) in {port_identity(p) for p in self.owned_ports()}
+        ident = port_identity(port)
+        return next((p for p in self.owned_ports() if port_identity(p) == ident), None)
 
     def ports_info(self, port: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"ports": self.owned_ports(),
-                               "max_body_bytes": int(self.d.config.server.max_body_bytes)}
+                               "max_body_bytes": int(self.d.config.server.max_body_bytes),
+                               "max_elf_bytes": upload_limit()[0]}
         if port is not None:
             out["port"] = port
             out["owned"] = self.owns(port)
+            if not out["owned"]:
+                out["same_board_as"] = self.same_board_as(port)
         return out
 
     # -- jobs ----------------------------------------------------------------------------------
@@ -171,49 +247,99 @@ class FlashService:
                            "returned.")
         return job
 
+    def parse(self, body: bytes) -> FlashRequest:
+        """parse_flash_request with the board names and upload limit of this moment."""
+        from firmware_tools.profiles import list_profiles
+
+        limit, why = upload_limit()
+        return parse_flash_request(body, boards=list_profiles(), max_elf_bytes=limit,
+                                   limit_why=why)
+
     def submit(self, req: FlashRequest) -> FlashJobRecord:
         from firmware_tools.errors import FirmwareError
         from firmware_tools.flasher import port_identity
-        from firmware_tools.profiles import load_profile
+        from firmware_tools.profiles import load_profile, profile_dir
 
         if self.d.stopping:
             raise ApiError(503, "shutting_down", "the daemon is shutting down. Hint: retry when "
                            "it is back, or flash directly.", headers=[("retry-after", "5")])
         if not self.owns(req.port):
+            owned = self.owned_ports()
+            same = self.same_board_as(req.port)
+            why = (f"; it names the board of owned port {same!r} with other options, and a "
+                   "request may not change an owned port's options" if same else "")
             raise ApiError(409, "port_not_owned", f"port {req.port!r} is not one the daemon "
-                           f"owns (owned: {', '.join(self.owned_ports()) or 'none'}). Hint: "
-                           "flash it directly (edge-agent flash --local), or add it to "
+                           f"owns (owned, compared as exact strings: "
+                           f"{', '.join(repr(p) for p in owned) or 'none'}){why}. Hint: send "
+                           "one of the owned ports exactly as listed, flash other ports "
+                           "directly (edge-agent flash --local), or add the port to "
                            "flash.ports in the daemon's configuration.")
         ident = port_identity(req.port)
         if ident in self._busy:
             raise ApiError(409, "port_busy", f"port {req.port!r} is busy with flash job "
                            f"{self._busy[ident]}. Hint: wait for it (GET /v1/flash/"
                            f"{self._busy[ident]}), then retry.", headers=[("retry-after", "5")])
-        try:
-            profile = load_profile(req.board)
+        try:  # a name parse_flash_request found in list_profiles(): never a path of the request
+            profile = load_profile(profile_dir() / f"{req.board}.toml")
         except (FirmwareError, OSError) as exc:
-            raise _bad("board", str(exc), "use a profile name from board_profiles/") from exc
-        elf = req.elf or ""
-        if req.elf_bytes is not None:
-            digest = hashlib.sha256(req.elf_bytes).hexdigest()
-            upload = self.d.state_dir / "flash" / "uploads" / f"{digest[:20]}.elf"
-            upload.parent.mkdir(parents=True, exist_ok=True)
-            tmp = upload.with_suffix(".tmp")
-            tmp.write_bytes(req.elf_bytes)
-            tmp.replace(upload)
-            elf = str(upload)
-        elif not Path(elf).is_file():
-            raise _bad("elf", f"{elf}: no such file for the daemon",
-                       "send the bytes as elf_base64 instead")
+            raise _bad("board", str(exc), "fix the profile file, or use another board") from exc
         jid = f"flash-{next(self._ids)}-{int(time.time())}"
-        job = FlashJobRecord(id=jid, board=profile.name, port=req.port, elf=elf)
-        self.jobs[jid] = job
-        self._busy[ident] = jid
-        self._prune()
-        task = asyncio.get_running_loop().create_task(self._run(job, req, profile, ident))
+        upload = self._write_upload(jid, req.elf_bytes)
+        try:
+            job = FlashJobRecord(id=jid, board=profile.name, port=req.port, elf=str(upload))
+            self.jobs[jid] = job
+            self._busy[ident] = jid
+            self._prune()
+            task = asyncio.get_running_loop().create_task(self._run(job, req, profile, ident))
+        except BaseException:
+            self._busy.pop(ident, None)
+            self.jobs.pop(jid, None)
+            self._remove_upload(upload)
+            raise
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
+
+    # -- uploads -------------------------------------------------------------------------------
+    def _write_upload(self, jid: str, data: bytes) -> Path:
+        """`<uploads>/<jid>.elf`, 0600 in a 0700 directory, created afresh (never followed
+        through a link). The caller deletes it when the job ends."""
+        path = self.uploads / f"{jid}.elf"
+        try:
+            self.uploads.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.uploads, 0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise ApiError(507, "upload_failed", f"cannot store the {len(data)}-byte ELF in "
+                           f"{self.uploads} ({exc.strerror or exc}). Hint: free space in the "
+                           "daemon's state directory (server.state_dir), then retry.") from exc
+        return path
+
+    def _remove_upload(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self.d.log(f"warning: cannot delete the flash upload {path} "
+                       f"({exc.strerror or exc}); it is removed at the next start")
+
+    def _remove_stale_uploads(self) -> None:
+        """Uploads of jobs a killed daemon never finished: nothing can use them any more."""
+        try:
+            stale = [p for p in self.uploads.iterdir() if not p.is_dir()]
+        except OSError:
+            return  # no uploads directory yet
+        for path in stale:
+            self._remove_upload(path)
+        if stale:
+            self.d.log(f"flash: removed {len(stale)} upload(s) left by an earlier run in "
+                       f"{self.uploads}")
 
     async def wait(self, timeout: float) -> None:
         """Let running jobs finish (shutdown); a flash is not cut half-way if avoidable."""
@@ -229,8 +355,9 @@ class FlashService:
     async def _run(self, job: FlashJobRecord, req: FlashRequest, profile: Any,
                    ident: str) -> None:
         loop = asyncio.get_running_loop()
-        paused = await self._pause_uart(ident)
+        paused: list[Any] = []
         try:
+            paused = await self._pause_uart(ident)
             job.state = "running"
             self._touch(job)
             await self._journal_start(job, profile, req.resume)
@@ -265,6 +392,7 @@ class FlashService:
                        f"verified, {result.seconds:.1f} s)")
         finally:
             job.finished_at = time.time() if job.state in ("done", "failed") else None
+            self._remove_upload(Path(job.elf))
             self._busy.pop(ident, None)
             await self._resume_uart(paused)
             self._touch(job)

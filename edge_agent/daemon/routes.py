@@ -275,9 +275,7 @@ class Router:
 
     # -- flash jobs (daemon/flashing.py) ---------------------------------------------------------
     async def flash_create(self, req: Request) -> Reply:
-        from edge_agent.daemon.flashing import parse_flash_request
-
-        job = self.d.flash.submit(parse_flash_request(req.body))
+        job = self.d.flash.submit(self.d.flash.parse(req.body))
         return _json(202, job.to_dict(), headers=(("location", f"/v1/flash/{job.id}"),))
 
     async def flash_ports(self, req: Request) -> Reply:
