@@ -77,6 +77,9 @@ RestartPreventExitStatus=78
 # The daemon puts itself in a supervisor leaf and each model runner in its own cgroup.
 Delegate=yes
 LimitMEMLOCK=infinity
+# Descriptors: the HTTP server caps connections (256 + 8 for /health) far below this, so
+# a client flood gets 503s and never starves the journal, runners or the UART of descriptors.
+LimitNOFILE=8192
 StateDirectory=edge-agent
 StateDirectoryMode=0750
 RuntimeDirectory=edge-agent

@@ -66,6 +66,7 @@ def test_service_has_the_required_directives() -> None:
     expected = {
         "Type": "notify", "NotifyAccess": "main", "Restart": "on-failure",
         "RestartPreventExitStatus": "78", "Delegate": "yes", "LimitMEMLOCK": "infinity",
+        "LimitNOFILE": "8192",
         "StateDirectory": "edge-agent", "RuntimeDirectory": "edge-agent",
         "RuntimeDirectoryPreserve": "yes", "User": "edge-agent",
         "SupplementaryGroups": "dialout", "ProtectSystem": "strict", "ProtectHome": "yes",

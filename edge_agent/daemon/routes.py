@@ -24,9 +24,11 @@ from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import (
     SSE_DONE,
     ApiError,
+    check_query,
     completion_chunk,
     completion_response,
     parse_generation,
+    query_int,
     sse_event,
 )
 from edge_agent.transports.http import Request, Response, StreamResponse
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["Router", "cgroup_info"]
 
 MAX_TOKENS_LIMIT = 8192
+QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
 
 
@@ -105,6 +108,7 @@ class Router:
                     allow = ", ".join(sorted(methods))
                     raise ApiError(405, "method_not_allowed", f"{req.method} {path}: method not "
                                    f"allowed. Hint: use {allow}.", headers=[("allow", allow)])
+                check_query(req.query, QUERY_KEYS.get(fn.__name__, ()))
                 return await fn(req, **m.groupdict())
             raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
                            "see GET /health, /metrics, /v1/models, /v1/completions, "
@@ -261,12 +265,9 @@ class Router:
         return _json(200, rec.to_dict(time.monotonic()))
 
     async def events(self, req: Request, rid: str) -> Reply:
-        rec = self._record(rid)
-        raw = req.query.get("from", ["0"])[0]
-        if not raw.isdigit():
-            raise ApiError(400, "invalid_request", f"query 'from': {raw!r} is not a token index. "
-                           "Hint: use from=N with N >= 0 (the number of tokens already seen).")
-        return StreamResponse(self._native_stream(rec, int(raw)))
+        start = query_int(req.query, "from", 0, hint="use from=N with N >= 0 (the number of "
+                          "tokens already seen)")
+        return StreamResponse(self._native_stream(self._record(rid), start))
 
     async def _native_stream(self, rec: RequestRecord, start: int) -> AsyncIterator[bytes]:
         async for i, piece in rec.follow(start):

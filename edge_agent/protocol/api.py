@@ -6,20 +6,37 @@ Invariants owned here:
   names the offending field (`messages[1].role`, `max_tokens`, ...) and ends with a `Hint:`.
 - `bool` is never accepted where a number is expected (JSON `true` is not `1`).
 - Unknown top-level fields are ignored (OpenAI clients send many); known fields are checked.
+- Every body is bounded before any field is read, wherever the value sits (unknown fields too):
+  arrays/objects nest at most MAX_JSON_DEPTH levels, a number literal has at most
+  MAX_NUMBER_DIGITS characters, a string (or key) at most MAX_STRING_CHARS characters, and no
+  string holds a lone UTF-16 surrogate (`"\\ud800"` decodes to one, and no tokenizer or UTF-8
+  encoder accepts it). Each is a 400 `invalid_request` naming the field and the limit.
+- Query strings are parsed strictly (`parse_query`, `check_query`, `query_int`): percent-escapes
+  must be well formed and decode to UTF-8, a key appears once, only the route's keys are
+  allowed, and integers are ASCII digits ("²" is a digit to str.isdigit(), not to int()).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from edge_agent.errors import EdgeAgentError
 
 __all__ = [
     "ApiError",
     "ChatMessage",
+    "check_limits",
+    "check_query",
+    "parse_query",
+    "query_int",
+    "MAX_JSON_DEPTH",
+    "MAX_NUMBER_DIGITS",
+    "MAX_STRING_CHARS",
     "GenerationRequest",
     "parse_generation",
     "parse_json_body",
@@ -40,6 +57,13 @@ PRIORITY_MIN = 0
 PRIORITY_MAX = 10
 ROLES = ("system", "user", "assistant")
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_JSON_DEPTH = 64  # nested arrays/objects, the top-level object included
+MAX_NUMBER_DIGITS = 64  # characters of one number literal (sign, point and exponent included)
+MAX_STRING_CHARS = 1 << 20  # characters of one string or key
+MAX_QUERY_INT_DIGITS = 18  # below 2**63
+_SHOW_CHARS = 80  # values quoted in messages are cut to this
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_BAD_PERCENT = re.compile("%(?![0-9A-Fa-f]{2})")
 
 
 class ApiError(EdgeAgentError):
@@ -113,14 +137,22 @@ def error_body(code: str, message: str, extra: Mapping[str, Any] | None = None) 
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
-    """Decode a JSON object body; 400 `malformed_json` naming the position otherwise."""
+    """Decode a JSON object body; 400 `malformed_json` naming the position otherwise, and
+    400 `invalid_request` for a body past the limits (depth, number size, string size) or
+    holding a lone surrogate."""
     if not body.strip():
         raise ApiError(
             400, "malformed_json", "request body is empty, expected a JSON object. "
             "Hint: send Content-Type: application/json with a body such as {\"prompt\": \"Hi\"}."
         )
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_int=_parse_int, parse_float=_parse_float)
+    except RecursionError:
+        raise ApiError(
+            400, "invalid_request", f"request body: JSON arrays/objects nested far deeper than "
+            f"the limit of {MAX_JSON_DEPTH} levels. Hint: flatten the structure; no field of "
+            "this API needs more than a few levels."
+        ) from None
     except UnicodeDecodeError as exc:
         raise ApiError(
             400, "malformed_json", f"request body is not UTF-8 ({exc.reason} at byte "
@@ -132,6 +164,10 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
             f"{exc.lineno} column {exc.colno}). Hint: check quoting and commas; "
             "`python -m json.tool` shows the fault."
         ) from exc
+    if isinstance(value, _LongNumber):
+        raise value.error("request body")
+    if isinstance(value, (dict, list)):
+        check_limits(value)
     if not isinstance(value, dict):
         raise ApiError(
             400, "malformed_json", f"request body is a JSON {type(value).__name__}, expected "
@@ -140,12 +176,163 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     return value
 
 
+class _LongNumber:
+    """A number literal past MAX_NUMBER_DIGITS, kept undecoded (int() refuses > 4300 digits and
+    is quadratic below that) until `check_limits` names the field it sits in."""
+
+    __slots__ = ("literal",)
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+    def error(self, where: str) -> ApiError:
+        return _too_long_number(where, self.literal)
+
+
+def _too_long_number(where: str, literal: str) -> ApiError:
+    digits = sum(c.isdigit() for c in literal)
+    return _bad(where, f"a number of {digits} digits ({literal[:20]}...); at most "
+                f"{MAX_NUMBER_DIGITS} characters are accepted",
+                "send integers within 64 bits and floats as ordinary decimals")
+
+
+def _parse_int(literal: str) -> int | _LongNumber:
+    return int(literal) if len(literal) <= MAX_NUMBER_DIGITS else _LongNumber(literal)
+
+
+def _parse_float(literal: str) -> float | _LongNumber:
+    return float(literal) if len(literal) <= MAX_NUMBER_DIGITS else _LongNumber(literal)
+
+
+def _show_key(key: str) -> str:
+    if len(key) <= 40 and key.isprintable() and not _SURROGATE.search(key):
+        return key
+    return json.dumps(key[:40])[1:-1] + "..."
+
+
+def _where(node: tuple[Any, ...] | None) -> str:
+    """('messages', 0, 'content') as a linked list (parent, key) -> "messages[0].content"."""
+    parts: list[str] = []
+    while node is not None:
+        node, key = node
+        parts.append(f"[{key}]" if isinstance(key, int) else "." + _show_key(str(key)))
+    text = "".join(reversed(parts)).lstrip(".")
+    return text or "request body"
+
+
+def _check_text(text: str, where: str, what: str = "string") -> None:
+    if len(text) > MAX_STRING_CHARS:
+        raise _bad(where, f"a {what} of {len(text)} characters; at most {MAX_STRING_CHARS} are "
+                   "accepted", "send less text (a model's context is far smaller)")
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise _bad(where, f"the {what} holds a lone UTF-16 surrogate "
+                   f"({json.dumps(m.group())[1:-1]} at character {m.start()}), which is not a "
+                   "Unicode character", "send valid UTF-8; a \\u escape in \\ud800-\\udfff "
+                   "must be half of a pair (high \\ud800-\\udbff, then low \\udc00-\\udfff)")
+
+
+def check_limits(root: dict[str, Any] | list[Any]) -> None:
+    """Raise ApiError 400 naming the first value past the limits (depth, number size, string
+    size) or holding a lone surrogate. Iterative: a deep value cannot exhaust the stack."""
+    big = 10 ** MAX_NUMBER_DIGITS
+    stack: list[tuple[Any, tuple[Any, ...] | None, int]] = [(root, None, 1)]
+    while stack:
+        node, at, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _bad(_where(at), f"arrays/objects nested {depth} levels deep; at most "
+                       f"{MAX_JSON_DEPTH} are accepted",
+                       "flatten the structure; no field of this API needs more than a few levels")
+        if isinstance(node, Mapping):
+            items: Iterable[tuple[Any, Any]] = node.items()
+            for key in node:
+                if isinstance(key, str) and (len(key) > 40 or not key.isascii()):
+                    _check_text(key, f"a key in {_where(at)}", "key")
+        else:
+            items = enumerate(node)
+        for key, v in items:
+            if isinstance(v, str):
+                if len(v) > 64 or not v.isascii():
+                    _check_text(v, _where((at, key)))
+            elif isinstance(v, (dict, list, tuple)):
+                stack.append((v, (at, key), depth + 1))
+            elif isinstance(v, _LongNumber):
+                raise v.error(_where((at, key)))
+            elif isinstance(v, int) and not isinstance(v, bool) and not -big < v < big:
+                raise _too_long_number(_where((at, key)), str(v)[:21])
+
+
+def _show(value: Any) -> str:
+    """A received value as JSON, cut to a readable length."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS] + "...(cut)"
+
+
+# ----- query strings ---------------------------------------------------------------------------
+
+
+def parse_query(raw: str) -> dict[str, list[str]]:
+    """Strictly decode `a=1&b=x%20y` (`+` is a space); 400 for a malformed escape, bytes that
+    are not UTF-8, or a key given twice. Values come as one-item lists (parse_qs' shape)."""
+    out: dict[str, list[str]] = {}
+    for piece in raw.split("&"):
+        if not piece:
+            continue
+        key, _, value = piece.partition("=")
+        key, value = _unescape(key, piece), _unescape(value, piece)
+        if key in out:
+            raise ApiError(400, "invalid_request", f"query {_show_key(key)!r}: given twice. "
+                           "Hint: send each query parameter once.")
+        out[key] = [value]
+    return out
+
+
+def _unescape(text: str, piece: str) -> str:
+    shown = piece if len(piece) <= _SHOW_CHARS else piece[:_SHOW_CHARS] + "..."
+    m = _BAD_PERCENT.search(text)
+    if m is not None:
+        raise ApiError(400, "invalid_request", f"query: {shown!r} is not valid percent-encoding "
+                       f"({text[m.start():m.start() + 3]!r}: '%' must be followed by two hex "
+                       "digits). Hint: write a literal '%' as %25 and percent-encode values "
+                       "(urllib.parse.quote).")
+    try:
+        return unquote_to_bytes(text.replace("+", " ")).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, "invalid_request", f"query: {shown!r} decodes to bytes that are not "
+                       f"UTF-8 ({exc.reason}). Hint: percent-encode the UTF-8 bytes of the "
+                       "text (urllib.parse.quote).") from None
+
+
+def check_query(query: Mapping[str, list[str]], allowed: Sequence[str]) -> None:
+    """400 for a key this route does not take."""
+    for key, values in query.items():
+        if key not in allowed:
+            takes = f"it takes only {', '.join(allowed)}" if allowed else "it takes none"
+            raise ApiError(400, "invalid_request", f"query {_show_key(key)!r}: unknown "
+                           f"parameter for this endpoint. Hint: remove it; {takes}.")
+        if len(values) != 1:
+            raise ApiError(400, "invalid_request", f"query {_show_key(key)!r}: given twice. "
+                           "Hint: send each query parameter once.")
+
+
+def query_int(query: Mapping[str, list[str]], key: str, default: int, *, hint: str) -> int:
+    """A non-negative integer of ASCII digits (at most MAX_QUERY_INT_DIGITS)."""
+    if key not in query:
+        return default
+    raw = query[key][0]
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= MAX_QUERY_INT_DIGITS):
+        shown = raw if len(raw) <= 24 else raw[:24] + "..."
+        raise ApiError(400, "invalid_request", f"query {key!r}: {shown!r} is not a non-negative "
+                       f"integer of at most {MAX_QUERY_INT_DIGITS} ASCII digits. Hint: {hint}.")
+    return int(raw)
+
+
 def _int(d: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
     if key not in d or d[key] is None:
         return default
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(key, f"expected an integer, got {json.dumps(v)}", f"use an integer {lo}..{hi}")
+        raise _bad(key, f"expected an integer, got {_show(v)}", f"use an integer {lo}..{hi}")
     if not lo <= v <= hi:
         raise _bad(key, f"{v} is out of range", f"use an integer {lo}..{hi}")
     return v
@@ -157,7 +344,7 @@ def _float(d: Mapping[str, Any], key: str, default: float, lo: float, hi: float,
         return default
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(key, f"expected a number, got {json.dumps(v)}", f"use a number in {lo}..{hi}")
+        raise _bad(key, f"expected a number, got {_show(v)}", f"use a number in {lo}..{hi}")
     if v != v or not (lo < v if lo_open else lo <= v) or v > hi:
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise _bad(key, f"{v} is out of range", f"use a number in {rng}")
@@ -170,7 +357,7 @@ def _stop(d: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _bad("stop", f"expected a string or a list of strings, got {json.dumps(v)}",
+        raise _bad("stop", f"expected a string or a list of strings, got {_show(v)}",
                    'use "stop": "\\n" or "stop": ["\\n", "END"]')
     if len(items) > MAX_STOP:
         raise _bad("stop", f"{len(items)} sequences given", f"use at most {MAX_STOP}")
@@ -186,7 +373,7 @@ def _session(d: Mapping[str, Any]) -> str | None:
     if (not isinstance(v, str) or not 1 <= len(v) <= SESSION_MAX_LEN
             or not all(c.isascii() and (c.isalnum() or c in "._:-") for c in v)):
         raise _bad("session", f"expected an id of 1..{SESSION_MAX_LEN} characters A-Z a-z 0-9 "
-                   f"._:- , got {json.dumps(v)}", 'use e.g. "session": "chat-42"')
+                   f"._:- , got {_show(v)}", 'use e.g. "session": "chat-42"')
     return v
 
 
@@ -194,16 +381,16 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     v = d.get("messages")
     if not isinstance(v, list) or not v:
         raise _bad("messages", "expected a non-empty list of {role, content} objects, got "
-                   f"{json.dumps(v)}", 'use "messages": [{"role": "user", "content": "Hi"}]')
+                   f"{_show(v)}", 'use "messages": [{"role": "user", "content": "Hi"}]')
     out = []
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(where, f"expected an object, got {json.dumps(m)}",
+            raise _bad(where, f"expected an object, got {_show(m)}",
                        'use {"role": "user", "content": "..."}')
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{where}.role", f"{json.dumps(role)} is not a known role",
+            raise _bad(f"{where}.role", f"{_show(role)} is not a known role",
                        f"use one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text parts
@@ -216,7 +403,7 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
                 parts.append(p["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise _bad(f"{where}.content", f"expected a string, got {json.dumps(content)}",
+            raise _bad(f"{where}.content", f"expected a string, got {_show(content)}",
                        "send the message text as a string")
         out.append(ChatMessage(role, content))
     return tuple(out)
@@ -231,7 +418,11 @@ def parse_generation(
 ) -> GenerationRequest:
     """Validate a /v1/completions (chat=False), /v1/chat/completions (chat=True) or
     /v1/requests (chat=None: whichever of prompt / messages is present) body."""
-    d = parse_json_body(body) if isinstance(body, (bytes, bytearray)) else dict(body)
+    if isinstance(body, (bytes, bytearray)):
+        d = parse_json_body(body)
+    else:
+        d = dict(body)
+        check_limits(d)
     if chat is None:
         if ("prompt" in d) == ("messages" in d):
             raise _bad("prompt", "give exactly one of 'prompt' or 'messages'",
@@ -239,7 +430,7 @@ def parse_generation(
         chat = "messages" in d
     model = d.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise _bad("model", f"expected a model name, got {json.dumps(model)}",
+        raise _bad("model", f"expected a model name, got {_show(model)}",
                    "GET /v1/models lists the names")
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
@@ -250,20 +441,20 @@ def parse_generation(
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
         if not isinstance(p, str):
-            raise _bad("prompt", f"expected a string, got {json.dumps(p)}",
+            raise _bad("prompt", f"expected a string, got {_show(p)}",
                        'use "prompt": "Once upon a time"')
         prompt = p
     n = d.get("n", 1)
     if n != 1 or isinstance(n, bool):
-        raise _bad("n", f"{json.dumps(n)} choices requested", "only n=1 is supported")
+        raise _bad("n", f"{_show(n)} choices requested", "only n=1 is supported")
     stream = d.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("stream", f"expected true or false, got {json.dumps(stream)}",
+        raise _bad("stream", f"expected true or false, got {_show(stream)}",
                    'use "stream": true')
     seed = d.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
                              or seed >= 2**63):
-        raise _bad("seed", f"expected a non-negative integer, got {json.dumps(seed)}",
+        raise _bad("seed", f"expected a non-negative integer, got {_show(seed)}",
                    "use an integer 0..2**63-1")
     return GenerationRequest(
         chat=chat,

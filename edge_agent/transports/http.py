@@ -12,29 +12,69 @@ Invariants owned here:
   by a dead process is replaced; a live one is an error. `close()` removes the file.
 - Keep-alive: after a complete exchange the connection starts the next cycle; during shutdown
   idle connections are closed at once and busy ones finish (bounded by `drain_timeout_s`).
+- Nothing a client sends ends in an unhandled exception: a malformed head, chunk framing or
+  query string is a 400 (`bad_http`, or `invalid_request` for the query) naming what was
+  received, then the connection closes; `Expect: 100-continue` is answered `100 Continue` just
+  before the body is read (not when the request is refused first, e.g. by a 413); a handler that
+  raises is a 500 `internal_error` and one log line, not a dropped connection.
+- Timeouts. A new connection must deliver a complete request head within `header_timeout_s` of
+  being accepted. Between requests a keep-alive connection may stay idle (no byte of the next
+  request) for `idle_timeout_s`; once the next request's first byte arrives, its head must be
+  complete within `header_timeout_s`. A body must keep arriving (no gap longer than
+  `header_timeout_s`). A head or body cut short is answered 408 and closed; an idle connection
+  is closed silently. A client that reads no response bytes for `send_timeout_s` is dropped.
+  Handlers and streams have no time limit here (deadlines are the scheduler's).
+- Connection cap. At most `max_connections` connections are served. When one more arrives, the
+  oldest idle connection (waiting for a request, not a byte of it received, idle for at least
+  EVICT_GRACE_S) is closed to make room, so idle or leaked keep-alive connections never lock
+  clients out. If none is idle (all are mid-request), the newcomer takes one of `health_slots`
+  reserved slots: there a `GET`/`HEAD` of a `priority_paths` path (/health) is answered, and
+  anything else gets 503 `too_many_connections` with Retry-After; either way the connection then
+  closes. With those slots taken too, a canned 503 is written without reading the request. So
+  /health answers unless `max_connections` requests are in flight and `health_slots` more
+  connections are mid-request at the same moment.
+- accept() is this module's loop, not asyncio's: out of descriptors (EMFILE, ENFILE, ENOBUFS,
+  ENOMEM) it logs one line per `log_interval_s` (with the count of repeats), waits
+  `accept_retry_s` and accepts again, so serving resumes as soon as descriptors come back.
+  The daemon's unit raises LimitNOFILE well above `max_connections` so this stays a last resort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import os
 import socket
 import stat
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 import h11
 
 from edge_agent.errors import EdgeAgentError
-from edge_agent.protocol.api import error_body
+from edge_agent.protocol.api import ApiError, error_body, parse_query
 
 __all__ = ["Request", "Response", "StreamResponse", "HttpServer", "Handler", "SocketInUseError"]
 
 READ_CHUNK = 65536
+MAX_HEAD_BYTES = 64 * 1024
+EVICT_GRACE_S = 0.25  # a connection this young is not "idle" yet: its request may be in flight
+RETRY_AFTER_S = 1
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_HEAD_HINTS = {
+    400: "send HTTP/1.1: a request line `METHOD /path HTTP/1.1`, header lines `Name: value`, "
+         "each ending in CRLF, then an empty line",
+    431: f"send a request head (request line and headers) under {MAX_HEAD_BYTES} bytes",
+    501: "send the body with Content-Length, or with Transfer-Encoding: chunked alone",
+    505: "send HTTP/1.1 (or HTTP/1.0)",
+}
+_REFUSED_LINGER_MAX = 64  # canned-503 sockets read out at once; beyond, closed at once
 
 
 class SocketInUseError(EdgeAgentError):
@@ -69,25 +109,88 @@ class StreamResponse:
 Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
 
 
-def _err(status: int, code: str, message: str) -> Response:
-    return Response(status, error_body(code, message))
+def _err(status: int, code: str, message: str,
+         headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, error_body(code, message), headers=headers)
+
+
+def _stderr(text: str) -> None:
+    print(f"edge-agent: {text}", file=sys.stderr, flush=True)
 
 
 class _Disconnected(Exception):
     pass
 
 
+class _TimedOut(Exception):
+    def __init__(self, partial: bool, what: str) -> None:
+        super().__init__(what)
+        self.partial = partial  # some bytes of the request had arrived: answer 408
+        self.what = what
+
+
+class _Conn:
+    """Bookkeeping of one accepted connection."""
+
+    __slots__ = ("task", "busy", "idle", "since", "limited", "evicted", "accepted")
+
+    def __init__(self, limited: bool, now: float) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.busy = False  # a handler runs or a response is being sent
+        self.idle = True  # waiting for a request, not one byte of it received
+        self.since = now  # when it became idle
+        self.limited = limited  # in a health slot: /health or 503, then close
+        self.evicted = False
+        self.accepted = now
+
+
+class _Warnings:
+    """At most one log line per key and interval; the next one says how many were dropped."""
+
+    def __init__(self, log: Callable[[str], None], interval_s: float) -> None:
+        self.log = log
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def warn(self, key: str, text: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return
+        dropped = self._dropped.pop(key, 0)
+        self._last[key] = now
+        if dropped:
+            text += f" ({dropped} more like it since the last report)"
+        self.log(text)
+
+
 class HttpServer:
     """Serve `handler` over HTTP/1.1 on any number of listening sockets."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int = 1 << 20,
-                 drain_timeout_s: float = 10.0) -> None:
+                 drain_timeout_s: float = 10.0, header_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 30.0, send_timeout_s: float = 60.0,
+                 max_connections: int = 256, health_slots: int = 8,
+                 priority_paths: Sequence[str] = ("/health",),
+                 accept_retry_s: float = 0.5, log_interval_s: float = 60.0,
+                 log: Callable[[str], None] = _stderr) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
-        self._servers: list[asyncio.AbstractServer] = []
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.max_connections = max_connections
+        self.health_slots = health_slots
+        self.priority_paths = frozenset(priority_paths)
+        self.accept_retry_s = accept_retry_s
+        self._warnings = _Warnings(log, log_interval_s)
+        self._listeners: list[tuple[socket.socket, asyncio.Task[None]]] = []
         self._unix_paths: list[Path] = []
-        self._conns: dict[asyncio.Task[None], bool] = {}  # task -> busy
+        self._conns: dict[asyncio.Task[None], _Conn] = {}
+        self._refused: set[asyncio.Task[None]] = set()
         self._closing = False
 
     # ---- listening -------------------------------------------------------------------------
@@ -118,29 +221,51 @@ class HttpServer:
         self._unix_paths.append(path)
 
     async def listen_tcp(self, host: str, port: int) -> int:
-        server = await asyncio.start_server(self._on_client, host, port)
-        self._servers.append(server)
-        return int(server.sockets[0].getsockname()[1])
+        """Listen on every address `host` resolves to (as asyncio.start_server does); the port
+        actually bound is returned (port 0: the first address's, used for all)."""
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        bound: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, addr in dict.fromkeys(infos):
+                if bound and port == 0:
+                    addr = (addr[0], bound[0].getsockname()[1], *addr[2:])
+                sock = socket.socket(family, kind, proto)
+                bound.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.listen(128)
+        except BaseException:
+            for sock in bound:
+                sock.close()
+            raise
+        for sock in bound:
+            await self.adopt(sock)
+        return int(bound[0].getsockname()[1])
 
     async def adopt(self, sock: socket.socket) -> None:
         """Serve on an already listening socket (socket activation hands these over)."""
         sock.setblocking(False)
-        if sock.family == socket.AF_UNIX:
-            server = await asyncio.start_unix_server(self._on_client, sock=sock)
-        else:
-            server = await asyncio.start_server(self._on_client, sock=sock)
-        self._servers.append(server)
+        task = asyncio.get_running_loop().create_task(self._accept_loop(sock))
+        self._listeners.append((sock, task))
 
     async def close(self) -> None:
         """Stop accepting, let busy connections finish (bounded), close the rest."""
         self._closing = True
-        for server in self._servers:
-            server.close()
+        for sock, task in self._listeners:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            sock.close()
         for path in self._unix_paths:
             with contextlib.suppress(OSError):
                 path.unlink()
-        for task, busy in list(self._conns.items()):
-            if not busy:
+        for task in list(self._refused):
+            task.cancel()
+        for task, c in list(self._conns.items()):
+            if not c.busy:
                 task.cancel()
         pending = list(self._conns)
         if pending:
@@ -150,93 +275,266 @@ class HttpServer:
             if still:
                 await asyncio.wait(still, timeout=1.0)
 
+    # ---- accepting ---------------------------------------------------------------------------
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        where = _sock_name(sock)
+        while not self._closing:
+            try:
+                client, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if self._closing or sock.fileno() == -1:
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN):
+                    continue
+                hint = ("raise LimitNOFILE (the systemd unit sets it) or lower the connection "
+                        "limit" if exc.errno in _OUT_OF_RESOURCES else "check the listening socket")
+                self._warnings.warn(
+                    "accept", f"accept() on {where} failed: {exc.strerror or exc} "
+                    f"(errno {errno.errorcode.get(exc.errno or 0, exc.errno)}) with "
+                    f"{len(self._conns)} connections open; new connections wait in the backlog "
+                    f"and accept() is retried every {self.accept_retry_s} s (this is reported "
+                    f"at most once per {self._warnings.interval_s:g} s). Hint: {hint}.")
+                await asyncio.sleep(self.accept_retry_s)
+                continue
+            self._admit(client, loop)
+            await asyncio.sleep(0)  # let the new connection read what its client already sent
+
+    def _admit(self, client: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        client.setblocking(False)
+        now = loop.time()
+        live = [c for c in self._conns.values() if not c.evicted]
+        limited = False
+        if sum(not c.limited for c in live) >= self.max_connections:
+            if not self._evict([c for c in live if not c.limited], now):
+                limited = True
+                if (sum(c.limited for c in live) >= self.health_slots
+                        and not self._evict([c for c in live if c.limited], now)):
+                    self._refuse(client, loop)
+                    return
+        c = _Conn(limited, now)
+        task = loop.create_task(self._on_client(client, c))
+        c.task = task
+        self._conns[task] = c
+
+    def _evict(self, candidates: list[_Conn], now: float) -> bool:
+        """Close the oldest idle connection among `candidates`; False if none is idle."""
+        idle = [c for c in candidates if c.idle and not c.busy and now - c.since >= EVICT_GRACE_S]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.since)
+        oldest.evicted = True
+        if oldest.task is not None:
+            oldest.task.cancel()
+        return True
+
+    def _busy_response(self) -> Response:
+        msg = (f"the daemon serves at most {self.max_connections} connections and all of them "
+               "are in the middle of a request. Hint: retry after the Retry-After seconds, and "
+               "reuse one keep-alive connection instead of opening many.")
+        return _err(503, "too_many_connections", msg, [("retry-after", str(RETRY_AFTER_S))])
+
+    def _refuse(self, client: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """Beyond every slot: a canned 503, written without reading the request."""
+        r = self._busy_response()
+        raw = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: {r.content_type}\r\n"
+               f"content-length: {len(r.body)}\r\nretry-after: {RETRY_AFTER_S}\r\n"
+               "connection: close\r\n\r\n").encode() + r.body
+        with contextlib.suppress(OSError):
+            client.send(raw)
+        if len(self._refused) >= _REFUSED_LINGER_MAX:
+            client.close()
+            return
+        task = loop.create_task(_read_out(client, loop))
+        self._refused.add(task)
+        task.add_done_callback(self._refused.discard)
+
     # ---- connections -----------------------------------------------------------------------
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_client(self, client: socket.socket, c: _Conn) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._conns[task] = False
+        writer: asyncio.StreamWriter | None = None
         try:
-            await self._serve(task, reader, writer)
-        except (asyncio.CancelledError, ConnectionError, _Disconnected, h11.ProtocolError):
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader(limit=READ_CHUNK)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, client)
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            await self._serve(c, reader, writer)
+        except (asyncio.CancelledError, ConnectionError, _Disconnected, h11.ProtocolError,
+                _TimedOut):
             pass
+        except Exception as exc:  # a bug: one line, not a traceback per connection
+            self._warnings.warn("connection", f"connection dropped after an internal error: "
+                                f"{type(exc).__name__}: {exc}. Hint: this is a daemon bug; "
+                                "report it with the request that caused it.")
         finally:
             self._conns.pop(task, None)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            if writer is not None:
+                writer.close()
+                with contextlib.suppress(BaseException):
+                    await writer.wait_closed()
+            else:
+                client.close()
 
-    async def _next_event(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+    async def _read(self, reader: asyncio.StreamReader, timeout: float, partial: bool,
+                    what: str) -> bytes:
+        if timeout <= 0:
+            raise _TimedOut(partial, what)
+        try:
+            return await asyncio.wait_for(reader.read(READ_CHUNK), timeout)
+        except asyncio.TimeoutError:
+            raise _TimedOut(partial, what) from None
+
+    async def _read_head(self, c: _Conn, conn: h11.Connection, reader: asyncio.StreamReader,
+                         first: bool) -> object:
+        """The next request head (or ConnectionClosed / PAUSED), under the timeouts."""
+        loop = asyncio.get_running_loop()
+        got = bool(conn.trailing_data[0])
+        start = c.accepted if first else loop.time()
+        c.idle, c.since = not got, start
+        wait = self.header_timeout_s if (first or got) else self.idle_timeout_s
+        deadline = start + wait
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
+                c.idle = False
                 return event
-            conn.receive_data(await reader.read(READ_CHUNK))
+            what = (f"the request head did not arrive within {self.header_timeout_s:g} s"
+                    if got or first else f"idle for {self.idle_timeout_s:g} s")
+            data = await self._read(reader, deadline - loop.time(), got, what)
+            if data and not got:
+                got, c.idle = True, False
+                if not first:
+                    deadline = loop.time() + self.header_timeout_s
+            conn.receive_data(data)
 
-    async def _serve(self, task: asyncio.Task[None], reader: asyncio.StreamReader,
+    async def _serve(self, c: _Conn, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-        while not self._closing or self._conns.get(task):
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        first = True
+        while not self._closing or c.busy:
             try:
-                event = await self._next_event(conn, reader)
+                event = await self._read_head(c, conn, reader, first)
             except h11.RemoteProtocolError as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                    msg = f"malformed HTTP request: {exc}. Hint: send HTTP/1.1."
-                    await self._send(conn, writer, _err(exc.error_status_hint, "bad_http", msg),
-                                     close=True)
+                    status = exc.error_status_hint
+                    hint = _HEAD_HINTS.get(status, _HEAD_HINTS[400])
+                    msg = f"malformed HTTP request: {_cut(exc)}. Hint: {hint}."
+                    await self._refuse_request(conn, reader, writer,
+                                               _err(status, "bad_http", msg))
+                return
+            except _TimedOut as exc:
+                if exc.partial and conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    await self._timed_out(conn, reader, writer, exc)
                 return
             if event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
                 return
             if not isinstance(event, h11.Request):
                 return
-            self._conns[task] = True
-            request, too_big = await self._read_request(conn, reader, event)
-            if too_big:
-                msg = (f"request body is larger than the limit of {self.max_body_bytes} bytes. "
-                       "Hint: send a smaller body or raise server.max_body_bytes.")
-                await self._send(conn, writer, _err(413, "body_too_large", msg), close=True)
-                await _linger(reader, writer, 4 * self.max_body_bytes + READ_CHUNK)
+            first = False
+            c.busy = True
+            if c.limited and not self._is_priority(event):
+                await self._refuse_request(conn, reader, writer, self._busy_response())
                 return
-            assert request is not None
-            response = await self._run_handler(conn, reader, request)
-            close = self._closing
-            if isinstance(response, StreamResponse):
-                await self._stream(conn, reader, writer, response, close)
+            try:
+                request, early = await self._read_request(conn, reader, writer, event)
+            except h11.RemoteProtocolError as exc:
+                chunked = any(k.lower() == b"transfer-encoding" for k, _ in event.headers)
+                framing = ("chunked: each chunk is its size in hex, CRLF, the data, CRLF; a "
+                           "0-size chunk ends it" if chunked else "exactly Content-Length bytes")
+                msg = f"malformed request body: {_cut(exc)}. Hint: send the body {framing}."
+                await self._refuse_request(conn, reader, writer, _err(400, "bad_http", msg))
+                return
+            except _TimedOut as exc:
+                await self._timed_out(conn, reader, writer, exc)
+                return
+            if early is not None:
+                if early.status == 413:
+                    await self._send(conn, writer, early, close=True)
+                    await _linger(reader, writer, 4 * self.max_body_bytes + READ_CHUNK)
+                    return
+                await self._send(conn, writer, early, close=c.limited or self._closing)
             else:
-                await self._send(conn, writer, response, close=close)
-            self._conns[task] = False
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                assert request is not None
+                response = await self._run_handler(conn, reader, request)
+                close = self._closing or c.limited
+                if isinstance(response, StreamResponse):
+                    await self._stream(conn, reader, writer, response, close)
+                else:
+                    await self._send(conn, writer, response, close=close)
+            c.busy = False
+            if (c.limited or conn.our_state is h11.MUST_CLOSE
+                    or conn.their_state is h11.MUST_CLOSE):
                 return
             try:
                 conn.start_next_cycle()
             except h11.LocalProtocolError:
                 return
 
+    def _is_priority(self, event: h11.Request) -> bool:
+        path = event.target.split(b"?", 1)[0].decode("latin-1").rstrip("/") or "/"
+        return event.method in (b"GET", b"HEAD") and path in self.priority_paths
+
+    async def _refuse_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter, response: Response) -> None:
+        """Answer and close; read out what the client still sends so it can read the answer."""
+        with contextlib.suppress(h11.LocalProtocolError):
+            await self._send(conn, writer, response, close=True)
+        await _linger(reader, writer, 4 * READ_CHUNK, timeout_s=1.0)
+
+    async def _timed_out(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, exc: _TimedOut) -> None:
+        msg = (f"{exc.what}; closing the connection. Hint: send the whole request without "
+               "pauses (a client must not hold a connection open mid-request).")
+        with contextlib.suppress(h11.LocalProtocolError):
+            await self._send(conn, writer, _err(408, "request_timeout", msg), close=True)
+        await _linger(reader, writer, READ_CHUNK, timeout_s=0.2)
+
     async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                            event: h11.Request) -> tuple[Request | None, bool]:
+                            writer: asyncio.StreamWriter,
+                            event: h11.Request) -> tuple[Request | None, Response | None]:
+        """The whole request, or an early answer instead (413, or 400 for the query)."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return None, True
+        if length is not None and length.isdigit() and (
+                len(length) > 18 or int(length) > self.max_body_bytes):
+            msg = (f"request body is larger than the limit of {self.max_body_bytes} bytes. "
+                   "Hint: send a smaller body or raise server.max_body_bytes.")
+            return None, _err(413, "body_too_large", msg)
+        has_body = length not in (None, "0") or "transfer-encoding" in headers
+        if conn.client_is_waiting_for_100_continue and has_body:
+            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            await self._drain(writer)
         body = bytearray()
+        what = f"the request body stopped arriving for {self.header_timeout_s:g} s"
         while True:
-            ev = await self._next_event(conn, reader)
-            if isinstance(ev, h11.Data):
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                conn.receive_data(await self._read(reader, self.header_timeout_s, True, what))
+            elif isinstance(ev, h11.Data):
                 body += ev.data
                 if len(body) > self.max_body_bytes:
-                    return None, True
+                    msg = (f"request body is larger than the limit of {self.max_body_bytes} "
+                           "bytes. Hint: send a smaller body or raise server.max_body_bytes.")
+                    return None, _err(413, "body_too_large", msg)
             elif isinstance(ev, h11.EndOfMessage):
                 break
             else:
                 raise _Disconnected()
-        parts = urlsplit(event.target.decode("latin-1"))
+        path, query = _split_target(event.target.decode("latin-1"))
+        try:
+            parsed_query = parse_query(query)
+        except ApiError as exc:
+            return None, Response(exc.status, exc.body(), headers=exc.headers)
         req = Request(
             method=event.method.decode("ascii").upper(),
-            path=unquote(parts.path),
-            query=parse_qs(parts.query),
+            path=path,
+            query=parsed_query,
             headers=headers,
             body=bytes(body),
         )
-        return req, False
+        return req, None
 
     async def _run_handler(self, conn: h11.Connection, reader: asyncio.StreamReader,
                            request: Request) -> Response | StreamResponse:
@@ -247,7 +545,10 @@ class HttpServer:
             while True:
                 done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if work in done:
-                    return work.result()
+                    try:
+                        return work.result()
+                    except Exception as exc:
+                        return self._internal_error(request, exc)
                 data = _watch_result(watch)
                 if not data:
                     work.cancel()
@@ -258,6 +559,15 @@ class HttpServer:
                 watch = asyncio.ensure_future(reader.read(READ_CHUNK))
         finally:
             await _settle(conn, watch)
+
+    def _internal_error(self, request: Request, exc: Exception) -> Response:
+        what = f"{request.method} {request.path[:200]}"
+        self._warnings.warn("handler", f"internal error while handling {what}: "
+                            f"{type(exc).__name__}: {_cut(exc)}")
+        msg = (f"{what}: internal error ({type(exc).__name__}). Hint: this is a daemon bug; "
+               "the daemon's log has the details, and sending the same request again will "
+               "likely fail the same way.")
+        return _err(500, "internal_error", msg)
 
     async def _stream(self, conn: h11.Connection, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter, response: StreamResponse, close: bool) -> None:
@@ -270,7 +580,7 @@ class HttpServer:
         watch = asyncio.ensure_future(reader.read(READ_CHUNK))
         try:
             writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
-            await writer.drain()
+            await self._drain(writer)
             while True:
                 if nxt is None:
                     nxt = asyncio.ensure_future(agen.__anext__())
@@ -289,9 +599,9 @@ class HttpServer:
                         break
                     nxt = None
                     writer.write(conn.send(h11.Data(data=chunk)))
-                    await writer.drain()
+                    await self._drain(writer)
             writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
+            await self._drain(writer)
         finally:
             await _settle(conn, watch)
             if nxt is not None:
@@ -316,7 +626,62 @@ class HttpServer:
         if response.body:
             writer.write(conn.send(h11.Data(data=response.body)))
         writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        await self._drain(writer)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait for the client to take the bytes; one that reads nothing is dropped."""
+        try:
+            await asyncio.wait_for(writer.drain(), self.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Disconnected() from None
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """(percent-decoded path, raw query) of an origin-form ("/p?q") or absolute-form target."""
+    path, _, query = target.partition("?")
+    path = path.partition("#")[0]
+    query = query.partition("#")[0]
+    if "://" in path and not path.startswith("/"):  # absolute-form: http://host/path
+        rest = path.split("://", 1)[1]
+        path = "/" + rest.partition("/")[2]
+    return unquote(path), query
+
+
+def _cut(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "...(cut)"
+
+
+def _sock_name(sock: socket.socket) -> str:
+    with contextlib.suppress(OSError):
+        name = sock.getsockname()
+        if isinstance(name, tuple):
+            return f"{name[0]}:{name[1]}"
+        return str(name or "an unnamed socket")
+    return "a listening socket"
+
+
+async def _read_out(client: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    """After a canned reply: stop writing, read what the client sent (bounded), then close, so
+    the close does not reset the connection before the client has read the reply."""
+    try:
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_WR)
+        left = 4 * READ_CHUNK
+        end = loop.time() + 1.0
+        while left > 0:
+            timeout = end - loop.time()
+            if timeout <= 0:
+                break
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(client, READ_CHUNK), timeout)
+            except (OSError, asyncio.TimeoutError):
+                break
+            if not data:
+                break
+            left -= len(data)
+    finally:
+        client.close()
 
 
 async def _settle(conn: h11.Connection, watch: asyncio.Future[bytes]) -> None:
