@@ -19,6 +19,11 @@ Invariants this module owns:
   the `QuarantineEvent` is returned on the `Journal` (and recorded in the new file's `events`
   table) so the daemon reports it in /health, the log and `status`. One quarantine per open at
   most: if the fresh file fails too, JournalError is raised (never a crash loop of moves).
+- After the integrity check, the schema is checked against the file's user_version
+  (`Migrations.schema_problems`: tables, columns, indexes): a valid SQLite file that is not
+  the journal this program wrote (a table or column missing, user_version not matching the
+  tables) is quarantined exactly like a corrupt one, before recovery reads it (a start that
+  died on "no such table" every time was a restart loop).
 - A newer schema than this program knows is not corruption: JournalVersionError (exit 78),
   the file is left untouched.
 - Writes go through `Journal.transaction()` (BEGIN IMMEDIATE ... COMMIT on a connection in
@@ -104,7 +109,9 @@ class Journal:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One SQLite write transaction (one fsync at COMMIT with synchronous=FULL)."""
+        """One SQLite write transaction (one fsync at COMMIT with synchronous=FULL). On any
+        failure, the COMMIT's included (disk full, I/O error), the transaction is rolled back
+        and the connection is left without one, so the same write can be tried again."""
         if self.conn.in_transaction:
             raise JournalError(
                 f"journal {self.path}: a transaction is already open on this connection. "
@@ -113,11 +120,12 @@ class Journal:
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield self.conn
+            self.conn.execute("COMMIT")
         except BaseException:
             if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):  # the first error is the one to report
+                    self.conn.execute("ROLLBACK")
             raise
-        self.conn.execute("COMMIT")
 
     def pragma(self, name: str) -> Any:
         row = self.conn.execute(f"PRAGMA {name}").fetchone()
@@ -161,6 +169,18 @@ def _check_sync(synchronous: str) -> str:
             "Hint: use FULL (the default); NORMAL can lose the last commits on a power cut."
         )
     return mode
+
+
+class _SchemaMismatch(sqlite3.DatabaseError):
+    """The file's tables do not match its user_version: quarantined like corruption."""
+
+
+def _check_schema(conn: sqlite3.Connection, version: int, migrations: Migrations) -> None:
+    problems = migrations.schema_problems(conn, version)
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise _SchemaMismatch(f"schema does not match user_version {version}: "
+                              + "; ".join(problems[:4]) + more)
 
 
 def _version(conn: sqlite3.Connection, path: Path, migrations: Migrations) -> int:
@@ -268,12 +288,13 @@ def open_journal(
                 raise sqlite3.DatabaseError(f"{integrity_pragma(check == 'full')}: "
                                             + "; ".join(lines[:3])[:300])
             version = _version(conn, path, migrations)
+            _check_schema(conn, version, migrations)
             migrations.apply(db)
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         except sqlite3.DatabaseError as exc:
             conn.close()
-            corrupt = is_corruption(exc) or "malformed" in str(exc) or (
-                type(exc) is sqlite3.DatabaseError
+            corrupt = isinstance(exc, _SchemaMismatch) or is_corruption(exc) or (
+                "malformed" in str(exc) or type(exc) is sqlite3.DatabaseError
             )
             if not corrupt:
                 raise JournalError(f"journal {path}: {exc}. Hint: check the file's permissions "

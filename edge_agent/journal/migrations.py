@@ -23,15 +23,22 @@ Invariants this module owns:
   rows (`requests_session_pending`) and only the queued/running ones (`requests_open`), so a
   start finds what to resume and the turns to put back without reading finished requests.
   Queries must repeat the index's WHERE with literals (a `?` cannot prove it).
+- `schema_problems(conn, version)`: a file at user_version N holds exactly the tables, columns
+  and indexes migrations 1..N create (SQLite's own `sqlite_*` objects aside); anything else
+  (a table or column missing or unknown, a user_version that does not match the tables) is
+  listed, and open_journal quarantines such a file like a corrupt one. Column types are not
+  compared (they are spelled by sqlite-utils, which may change between versions).
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 
 import sqlite_utils
 
-__all__ = ["Migrations", "MIGRATIONS", "REQUEST_STATES", "FINISHED_STATES", "SECTOR_STATES"]
+__all__ = ["Migrations", "MIGRATIONS", "REQUEST_STATES", "FINISHED_STATES", "SECTOR_STATES",
+           "schema_of"]
 
 REQUEST_STATES = ("queued", "running", "done", "failed", "cancelled", "expired")
 FINISHED_STATES = ("done", "failed", "cancelled", "expired")
@@ -45,6 +52,7 @@ class Migrations:
 
     def __init__(self) -> None:
         self._steps: dict[int, Migration] = {}
+        self._schemas: dict[int, dict[str, tuple[str, ...]]] = {}
 
     def __call__(self, number: int) -> Callable[[Migration], Migration]:
         def register(fn: Migration) -> Migration:
@@ -69,6 +77,40 @@ class Migrations:
         version = int(db.execute("PRAGMA user_version").fetchone()[0])
         return [n for n in sorted(self._steps) if n > version]
 
+    def schema(self, version: int) -> dict[str, tuple[str, ...]]:
+        """`schema_of` a database migrated to `version` (built once in memory, then cached)."""
+        if version not in self._schemas:
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+            try:
+                db = sqlite_utils.Database(conn, execute_plugins=False)
+                for number in sorted(self._steps):
+                    if number <= version:
+                        self._steps[number](db)
+                self._schemas[version] = schema_of(conn)
+            finally:
+                conn.close()
+        return self._schemas[version]
+
+    def schema_problems(self, conn: sqlite3.Connection, version: int) -> list[str]:
+        """How the file's schema differs from what user_version `version` stands for ([]:
+        it matches)."""
+        want, have = self.schema(version), schema_of(conn)
+        problems = [f"{name} is missing" for name in want if name not in have]
+        problems += [f"{name} is not part of schema version {version}" for name in have
+                     if name not in want]
+        for name, cols in want.items():
+            got = have.get(name)
+            if got is None or got == cols:
+                continue
+            missing = [c for c in cols if c not in got]
+            extra = [c for c in got if c not in cols]
+            if missing:
+                problems.append(f"{name} lacks column(s) {', '.join(missing)}")
+            if extra:
+                problems.append(f"{name} has column(s) {', '.join(extra)} unknown to schema "
+                                f"version {version}")
+        return problems
+
     def apply(self, db: sqlite_utils.Database) -> list[int]:
         """Apply every pending migration, each atomically with its user_version bump."""
         done = []
@@ -84,6 +126,21 @@ class Migrations:
             db.conn.execute("COMMIT")
             done.append(number)
         return done
+
+
+def schema_of(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    """{"table NAME" or "index NAME": its column names} of a database, without SQLite's own
+    objects (sqlite_stat1, sqlite_sequence, automatic indexes)."""
+    out: dict[str, tuple[str, ...]] = {}
+    rows = conn.execute("SELECT type, name FROM sqlite_master WHERE type IN ('table', 'index') "
+                        "AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY type, name")
+    for kind, name in rows.fetchall():
+        quoted = '"' + name.replace('"', '""') + '"'
+        pragma = "table_info" if kind == "table" else "index_info"
+        col = 1 if kind == "table" else 2
+        out[f"{kind} {name}"] = tuple(str(r[col]) for r in
+                                      conn.execute(f"PRAGMA {pragma}({quoted})").fetchall())
+    return out
 
 
 MIGRATIONS = Migrations()
