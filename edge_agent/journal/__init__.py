@@ -22,7 +22,9 @@ from edge_agent.journal.errors import (
     JournalConflictError,
     JournalError,
     JournalMissingError,
+    JournalUnavailableError,
     JournalVersionError,
+    StateDirBusyError,
 )
 from edge_agent.journal.flashjobs import FlashJob, FlashJobs, FlashSector
 from edge_agent.journal.migrations import FINISHED_STATES, MIGRATIONS, REQUEST_STATES, Migrations
@@ -33,12 +35,14 @@ from edge_agent.journal.recovery import (
     load_cached_tokenizer,
     recover,
 )
+from edge_agent.journal.statelock import StateDirLock
 from edge_agent.journal.store import JournaledRequest, JournalStore, PruneResult, Session, Token
 
 __all__ = [
     "DEFAULT_SYNC", "JOURNAL_FILE", "SYNC_MODES", "Journal", "QuarantineEvent",
     "check_integrity", "default_journal_path", "open_journal", "JournalConflictError",
-    "JournalError", "JournalMissingError", "JournalVersionError", "FlashJob", "FlashJobs",
+    "JournalError", "JournalMissingError", "JournalUnavailableError", "JournalVersionError",
+    "StateDirBusyError", "StateDirLock", "FlashJob", "FlashJobs",
     "FlashSector", "FINISHED_STATES", "MIGRATIONS", "REQUEST_STATES", "Migrations",
     "RecoveryPlan", "Resumable", "cache_tokenizer", "load_cached_tokenizer", "recover",
     "JournaledRequest", "JournalStore", "PruneResult", "Session", "Token", "open_store",

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from edge_agent.errors import EXIT_CONFIG, EdgeAgentError
 
-__all__ = ["JournalError", "JournalVersionError", "JournalConflictError", "JournalMissingError"]
+__all__ = ["JournalError", "JournalVersionError", "JournalConflictError", "JournalMissingError",
+           "JournalUnavailableError", "StateDirBusyError", "EXIT_TEMPFAIL"]
+
+EXIT_TEMPFAIL = 75  # EX_TEMPFAIL: try again later (another daemon holds the state directory)
 
 
 class JournalError(EdgeAgentError):
@@ -29,3 +32,15 @@ class JournalConflictError(JournalError, ValueError):
 
 class JournalMissingError(JournalError, FileNotFoundError):
     """A read-only open of a journal file that does not exist."""
+
+
+class JournalUnavailableError(JournalError):
+    """The journal's storage refuses writes (disk full, I/O error): nothing can be accepted
+    until a write succeeds again (the daemon answers 507 meanwhile)."""
+
+
+class StateDirBusyError(EdgeAgentError):
+    """Another daemon holds the state directory's lock. Exit status 75 (EX_TEMPFAIL): under
+    Restart=on-failure the service manager tries again later, when the holder may be gone."""
+
+    exit_code = EXIT_TEMPFAIL
