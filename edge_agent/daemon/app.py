@@ -5,7 +5,20 @@ Invariants owned here:
 - The socket listens before models load (so /health can answer 503 "loading"); READY=1 is sent
   only when every `preload = true` model has settled (serving, or failed with its reason in
   STATUS= and /health). EXTEND_TIMEOUT_USEC is sent while a load makes progress.
-- WATCHDOG=1 is sent from the main loop at half of WATCHDOG_USEC, so a stuck loop is caught.
+- WATCHDOG=1 is sent from the main loop at half of WATCHDOG_USEC, so a stuck loop is caught,
+  and only while every core task is alive (`_supervise`).
+- One daemon per state directory: `serve()` takes the state directory's flock
+  (journal/statelock.py) before anything touches the socket or the journal; a second daemon
+  exits 75 (EX_TEMPFAIL) naming the holder's pid.
+- Core tasks never die silently. A model loop that ends (an exception, or returning before
+  shutdown) is logged with its traceback and restarted after CORE_RESTART_DELAYS_S (the
+  watchdog is not fed meanwhile); one more death within CORE_RESTART_WINDOW_S takes the daemon
+  down. A journal task (journal-retention, journal-retry) that ends, or a memory-guard callback
+  (cgroup events, PSI, pressure-stage timers) that raises, takes the daemon down at once:
+  the reason is logged, the shutdown drains as on SIGTERM (open work stays journaled) and
+  `serve()` returns 1, so Restart=on-failure brings it back with a fresh state.
+- /health is "degraded" (503) with the reasons (`degraded()`) while the journal cannot be
+  written or a core task waits for its restart.
 - Every accepted request ends with an answer: done, cancelled, expired (504 naming queued and
   ran time), failed (503/500). On SIGTERM: STOPPING=1, running requests get up to
   `server.drain_timeout_s` to finish; with the journal on, the queued ones and those still
@@ -19,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import signal
 import sys
 import time
+import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -35,24 +50,46 @@ from edge_agent.daemon.flashing import FlashService
 from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.requests import RequestRecord
+from edge_agent.daemon.routes import Router
 from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import close_uarts, start_uarts
-from edge_agent.errors import ConfigError, EdgeAgentError
+from edge_agent.errors import EXIT_ERROR, ConfigError, EdgeAgentError
+from edge_agent.journal import StateDirLock
 from edge_agent.protocol.api import ApiError, GenerationRequest
 from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler
-from edge_agent.transports.http import HttpServer
+from edge_agent.transports.http import HttpServer, Request, Response
 
 __all__ = ["Daemon"]
 
 EXTEND_USEC = 30_000_000
+CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
+CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
+# a callback from these modules raising means the memory guard stopped working
+_GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_sources",
+                  "edge_agent.cgroup")
+
+
+class _Router(Router):
+    """The routes, with /health reporting the core's own faults (Daemon.degraded)."""
+
+    d: Daemon
+
+    async def health(self, req: Request) -> Response:
+        resp = await super().health(req)
+        reasons = self.d.degraded()
+        body = json.loads(resp.body)
+        body["degraded"] = reasons
+        status = resp.status
+        if reasons and body.get("status") == "serving":
+            body["status"], status = "degraded", 503
+        return Response(status, json.dumps(body, ensure_ascii=False).encode(),
+                        headers=resp.headers)
 
 
 class Daemon:
     def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ) -> None:
-        from edge_agent.daemon.routes import Router
-
         self.config = config
         self.env = dict(env)
         self.state_dir = Path(config.server.state_dir)
@@ -74,7 +111,11 @@ class Daemon:
         self._tick = asyncio.Event()
         self._settled = asyncio.Event()
         self._last_extend = 0.0
-        self.http = HttpServer(Router(self).handle, max_body_bytes=config.server.max_body_bytes,
+        self.state_lock = StateDirLock(self.state_dir)
+        self.fatal: str | None = None  # why the daemon takes itself down (serve() returns 1)
+        self._dead: dict[str, float] = {}  # core task -> when it is restarted (monotonic)
+        self._deaths: dict[str, list[float]] = {}
+        self.http = HttpServer(_Router(self).handle, max_body_bytes=config.server.max_body_bytes,
                                drain_timeout_s=config.server.drain_timeout_s)
 
     # -- small services for the model loops and routes -----------------------------------------
@@ -157,11 +198,23 @@ class Daemon:
                 svc.poke()
         return rec
 
+    def degraded(self) -> list[str]:
+        """Why the daemon cannot serve fully right now ([] when it can)."""
+        reasons = []
+        if self.journal.fault is not None:
+            reasons.append(f"{self.journal.fault['reason']}: new requests are refused (507) "
+                           "and running ones paused until a journal write succeeds")
+        for name, at in self._dead.items():
+            reasons.append(f"core task {name} died; restarting in "
+                           f"{max(0.0, at - time.monotonic()):.1f} s")
+        return reasons
+
     def submit(self, req: GenerationRequest) -> RequestRecord:
         if self.stopping:
             raise ApiError(503, "shutting_down", "the daemon is shutting down. "
                            "Hint: retry when it is back (systemd restarts it).",
                            headers=[("retry-after", "5")])
+        self.journal.check_admission()  # 507 + Retry-After while the journal cannot be written
         self.memory.check_admission()  # 503 + Retry-After from pressure stage 2 on
         name = req.model or self.config.default_model
         svc = self.services.get(name)
@@ -209,6 +262,8 @@ class Daemon:
             self.journal.accept(rec)  # durable before the id is returned
         except EdgeAgentError as exc:
             self.scheduler.cancel(job.id, time.monotonic())
+            if not self.journal.writable:  # the storage refused: 507, as for the next ones
+                raise self.journal.unavailable() from exc
             raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
                            headers=[("retry-after", "5")]) from exc
         self.records[job.id] = rec
@@ -229,17 +284,23 @@ class Daemon:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def serve(self) -> int:
+        """Run until asked to stop: 0, or 1 when the daemon took itself down (`fatal`)."""
+        self._make_state_dir()
+        self.state_lock.acquire()  # before the socket and the journal: one daemon per dir
         try:
-            await self.startup()
-            await self.main_loop()
+            try:
+                await self.startup()
+                await self.main_loop()
+            finally:
+                await self.shutdown()
         finally:
-            await self.shutdown()
+            self.state_lock.release()
+        if self.fatal is not None:
+            self.log(f"exiting with status {EXIT_ERROR}: {self.fatal}")
+            return EXIT_ERROR
         return 0
 
-    async def startup(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_exit)
+    def _make_state_dir(self) -> None:
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -247,6 +308,13 @@ class Daemon:
                 f"server.state_dir {self.state_dir}: cannot create the state directory "
                 f"({exc.strerror or exc}). Hint: point --state-dir (or server.state_dir) at a "
                 "directory this user may write, e.g. /var/lib/edge-agent.") from exc
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_exit)
+        loop.set_exception_handler(self._loop_exception)
+        self._make_state_dir()
         self.memory.start(loop)  # before any runner: into supervisor/, PSI watched
         if self.journal.open() is not None:
             resumed = self.journal.resume()
@@ -267,10 +335,11 @@ class Daemon:
         self.log(f"listening on {', '.join(where)}")
         self.uarts = await start_uarts(self)
         for svc in self.services.values():
-            svc.task = asyncio.create_task(svc.run(), name=f"model-{svc.name}")
+            self._start_model_task(svc)
         preload = [s for s in self.services.values() if s.entry.preload]
         while not all(s.lifecycle.state in (ModelState.IDLE, ModelState.SERVING,
                                             ModelState.FAILED) for s in preload):
+            self._supervise(time.monotonic())
             if self._exit.is_set():
                 return
             waiter = asyncio.ensure_future(self.wait_settled())
@@ -293,7 +362,8 @@ class Daemon:
         while not self._exit.is_set():
             now = time.monotonic()
             self.reap(now)
-            timeouts = [t for t in (wd, self.wait_timeout(now), 1.0) if t is not None]
+            restarts = [max(0.0, at - now) for at in self._dead.values()]
+            timeouts = [t for t in (wd, self.wait_timeout(now), 1.0, *restarts) if t is not None]
             self._tick.clear()
             tick = asyncio.ensure_future(self._tick.wait())
             ex = asyncio.ensure_future(self._exit.wait())
@@ -301,8 +371,89 @@ class Daemon:
                                return_when=asyncio.FIRST_COMPLETED)
             tick.cancel()
             ex.cancel()
-            if wd is not None:
+            alive = self._supervise(time.monotonic())
+            if wd is not None and alive and not self._exit.is_set():
                 self.notifier.watchdog()
+
+    # -- core task supervision -------------------------------------------------------------------
+    def _start_model_task(self, svc: ModelService) -> None:
+        svc.task = asyncio.create_task(svc.run(), name=f"model-{svc.name}")
+        svc.task.add_done_callback(lambda _t: self._tick.set())  # the main loop looks at once
+
+    def core_tasks(self) -> dict[str, asyncio.Task[None] | None]:
+        tasks: dict[str, asyncio.Task[None] | None] = {
+            f"model-{n}": s.task for n, s in self.services.items()}
+        tasks.update(self.journal.tasks())
+        return tasks
+
+    def _supervise(self, now: float) -> bool:
+        """Restart the model loops that died (when their restart is due), take the daemon down
+        for any other dead core task; True when every core task is alive."""
+        if self.stopping or self.fatal is not None:
+            return self.fatal is None
+        for name, task in self.core_tasks().items():
+            if task is None or not task.done() or name in self._dead:
+                continue
+            if task.cancelled():
+                why, exc = "was cancelled", None
+            else:
+                exc = task.exception()
+                why = "returned" if exc is None else f"raised {type(exc).__name__}: {exc}"
+            if exc is not None:
+                self.log("".join(traceback.format_exception(exc)).rstrip())
+            if not name.startswith("model-"):
+                self.die(f"core task {name} {why}; it cannot be restarted in place. Hint: "
+                         "this is a daemon bug (report it with the traceback above); the "
+                         "service manager restarts the daemon and open requests resume from "
+                         "the journal.")
+                return False
+            deaths = [t for t in self._deaths.get(name, []) if now - t < CORE_RESTART_WINDOW_S]
+            deaths.append(now)
+            self._deaths[name] = deaths
+            if len(deaths) > len(CORE_RESTART_DELAYS_S):
+                self.die(f"core task {name} {why}, its {len(deaths)}th death within "
+                         f"{CORE_RESTART_WINDOW_S:.0f} s. Hint: this is a daemon bug (report "
+                         "it with the traceback above); the service manager restarts the "
+                         "daemon and open requests resume from the journal.")
+                return False
+            delay = CORE_RESTART_DELAYS_S[len(deaths) - 1]
+            self._dead[name] = now + delay
+            self.log(f"core task {name} {why}; restarting it in {delay:g} s (restart "
+                     f"{len(deaths)} of {len(CORE_RESTART_DELAYS_S)} allowed within "
+                     f"{CORE_RESTART_WINDOW_S:.0f} s); its requests continue from where they "
+                     "are. Hint: this is a daemon bug: report it with the traceback above.")
+        for name, at in list(self._dead.items()):
+            if now >= at:
+                del self._dead[name]
+                self._start_model_task(self.services[name.removeprefix("model-")])
+                self.log(f"core task {name}: restarted")
+        return not self._dead
+
+    def die(self, reason: str) -> None:
+        """Take the daemon down: log why, drain as on SIGTERM, `serve()` returns 1."""
+        if self.fatal is None:
+            self.fatal = reason
+            self.log(f"fatal: {reason}")
+            self.notifier.status(f"failed: {reason}"[:200])
+        self.request_exit()
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """The event loop's error handler: logged as usual; a memory-guard callback that
+        raised takes the daemon down (it would otherwise stop watching silently)."""
+        loop.default_exception_handler(context)
+        callback = getattr(context.get("handle"), "_callback", None)
+        owner = getattr(callback, "__self__", None)
+        module = type(owner).__module__ if owner is not None else str(
+            getattr(callback, "__module__", "") or "")
+        if callback is None or not module.startswith(_GUARD_MODULES):
+            return
+        exc = context.get("exception")
+        what = getattr(callback, "__qualname__", repr(callback))
+        self.die(f"the memory guard's callback {what} raised "
+                 f"{type(exc).__name__ if exc else 'an error'}: {exc or context.get('message')}; "
+                 "memory pressure and OOM kills would no longer be watched. Hint: this is a "
+                 "daemon bug (report it with the traceback above); the service manager "
+                 "restarts the daemon.")
 
     def _keep(self, rec: RequestRecord) -> None:
         """Answer a waiting client 503 while the request stays open in the journal."""

@@ -12,6 +12,21 @@ Invariants owned here:
   so streams may send first.
 - A finish outside a step (cancel, deadline, shutdown, runner retries exhausted) is journaled
   at once, in its own transaction.
+- A write the storage refuses (disk full, I/O error: any sqlite3 error but a conflict) is
+  never raised into the model loop and never dropped: the step (or finish) is kept, in order,
+  with the session saves that must follow it, and the journal is *faulted*. While faulted:
+  /health says "degraded" with the reason; new requests are refused at once (507
+  `journal_unavailable`, the reason, Retry-After), since none can be accepted un-journaled;
+  running requests are PAUSED, not failed (the model loops take no new step and no new job,
+  see `writable`), so no more tokens are produced that could not be journaled; a retry task
+  writes the kept steps every RETRY_FIRST_S..RETRY_MAX_S s (doubling), then a
+  `journal_fault` event (the probe: it proves a write went through), clears the fault and
+  wakes the model loops: the daemon serves again without a restart. The one exception to
+  "on disk before it is sent" is the step whose commit failed: its tokens were already in
+  the records, so a stream may send them before they are durable (as with ack "fast"); if the
+  daemon dies before the retry succeeds, the next start continues from the last journaled
+  token and samples the same tokens again (same seed, same position), so no client sees
+  different text. `close()` tries the kept steps once more and logs what could not be written.
 - A done turn of a `session` extends the session's history right after the step that finished
   it is committed; a start re-applies every done turn still marked `session_pending` (a crash
   in between).
@@ -32,7 +47,9 @@ Invariants owned here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import math
 import os
 import sqlite3
 import time
@@ -41,24 +58,32 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.journal import (
+    JournalConflictError,
     JournalError,
     JournalStore,
+    JournalUnavailableError,
     RecoveryPlan,
     cache_tokenizer,
     load_cached_tokenizer,
     open_journal,
     recover,
 )
-from edge_agent.protocol.api import ChatMessage, GenerationRequest
+from edge_agent.protocol.api import ApiError, ChatMessage, GenerationRequest
 from edge_agent.scheduler import Job, JobState, QueueFull
 
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
-__all__ = ["DaemonJournal", "final_state", "PRUNE_BATCH", "RETENTION_INTERVAL_S"]
+__all__ = ["DaemonJournal", "final_state", "PRUNE_BATCH", "RETENTION_INTERVAL_S", "RETRY_FIRST_S",
+           "RETRY_MAX_S"]
 
 PRUNE_BATCH = 200  # rows per retention transaction (a few ms: one decode step waits at most that)
 RETENTION_INTERVAL_S = 3600.0  # retention passes after the first one (right after READY)
+RETRY_FIRST_S = 0.5  # a faulted journal is tried again after this, then twice as long each time
+RETRY_MAX_S = 5.0  # ... up to this
+
+Row = tuple[str, int, int, int]
+End = tuple[str, str, str | None, str | None]
 
 
 def final_state(rec: RequestRecord) -> str:
@@ -103,6 +128,12 @@ class DaemonJournal:
         self.retention: dict[str, Any] | None = None  # the last retention pass
         self._retention: asyncio.Task[None] | None = None
         self._warming = False  # in _warm: the journal is query_only
+        # writes the storage refused, oldest first: (rows, running, ends, records whose
+        # session is saved once those are durable); non-empty only while faulted
+        self._kept: list[tuple[list[Row], list[str], list[End], list[RequestRecord]]] = []
+        self.fault: dict[str, Any] | None = None  # reason, since (wall clock), failures
+        self._retry: asyncio.Task[None] | None = None
+        self._next_try = 0.0  # monotonic time of the next retry
 
     @property
     def enabled(self) -> bool:
@@ -127,7 +158,15 @@ class DaemonJournal:
             for svc in warmed:  # its cached tokenizer came from the file moved aside
                 svc.tokenizer = None
         t1 = time.perf_counter()
-        self.plan = recover(self.store)
+        try:
+            self.plan = recover(self.store)
+        except sqlite3.OperationalError as exc:  # disk full, I/O error: not the file's fault
+            self.close()
+            raise JournalUnavailableError(
+                f"journal {self.path}: recovering the open requests at start failed ({exc}); "
+                "nothing was changed. Hint: free space on the file system of "
+                f"{self.path.parent} (df -h {self.path.parent}) or check the device (dmesg), "
+                "then start again.") from exc
         self.start_s["recover"] = time.perf_counter() - t1
         if self.plan.resume or self.plan.expired:
             self.daemon.log(self.plan.summary())
@@ -158,12 +197,19 @@ class DaemonJournal:
             self.start_s["warm"] = time.perf_counter() - t0
 
     def close(self) -> None:
-        if self._retention is not None:
-            self._retention.cancel()
-            self._retention = None
+        for task in (self._retention, self._retry):
+            if task is not None:
+                task.cancel()
+        self._retention = self._retry = None
         if self.store is not None:
+            if self._kept and not self._flush():
+                self._log_unwritten()
             self.store.close()
             self.store = None
+
+    def tasks(self) -> dict[str, asyncio.Task[None]]:
+        """The journal's running tasks, by name (the daemon supervises them)."""
+        return {t.get_name(): t for t in (self._retention, self._retry) if t is not None}
 
     # -- retention, off the start path ------------------------------------------------------------
     async def _retain(self) -> None:
@@ -213,8 +259,12 @@ class DaemonJournal:
         if self.store is None:
             return {"enabled": False}
         j = self.store.journal
+        fault = None if self.fault is None else dict(
+            self.fault, kept_writes=len(self._kept),
+            next_try_s=round(max(0.0, self._next_try - time.monotonic()), 3))
         return {
             "enabled": True, "path": str(self.path), "synchronous": j.synchronous,
+            "writable": self.fault is None, "fault": fault,
             "ack": self.cfg.ack, "open_s": round(j.open_seconds, 6), "steps": self.steps,
             "write_s": round(self.write_s, 6),
             "start_s": {k: round(v, 6) for k, v in self.start_s.items()},
@@ -223,20 +273,149 @@ class DaemonJournal:
             "recovery": None if self.plan is None else self.plan.to_dict(),
         }
 
+    # -- faults: the storage refuses writes -------------------------------------------------
+    @property
+    def writable(self) -> bool:
+        """False while a write was refused and not yet retried successfully: the model loops
+        pause (no new step, no new job) and new requests are refused."""
+        return self.fault is None
+
+    def unavailable(self) -> ApiError:
+        """The 507 a new request gets while the journal is faulted."""
+        fault = self.fault or {"reason": "not writable", "since": time.time(), "failures": 0}
+        retry = max(1, math.ceil(self._next_try - time.monotonic()))
+        since = time.strftime("%H:%M:%SZ", time.gmtime(fault["since"]))
+        return ApiError(
+            507, "journal_unavailable",
+            f"the journal cannot be written ({fault['reason']}; since {since}, "
+            f"{fault['failures']} failed write(s)): a request cannot be accepted without being "
+            "journaled; running requests are paused and continue once a write succeeds. Hint: "
+            f"free space on the file system of {self.path.parent} (df -h {self.path.parent}) "
+            "or check the device (dmesg); the daemon retries by itself, retry the request "
+            f"in {retry} s.", headers=[("retry-after", str(retry))])
+
+    def check_admission(self) -> None:
+        """Raise the 507 while the journal is faulted (before anything else is done)."""
+        if self.fault is not None:
+            raise self.unavailable()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A write was refused: fault the journal (once), start retrying."""
+        reason = f"journal {self.path}: {exc}"
+        if self.fault is not None:
+            self.fault["failures"] += 1
+            self.fault["reason"] = reason
+            return
+        self.fault = {"reason": reason, "since": time.time(), "failures": 1}
+        self.daemon.log(
+            f"journal: a write to {self.path} failed ({exc}); new requests are refused (507) "
+            "and running ones paused until a write succeeds; nothing acknowledged is dropped "
+            f"(retrying every {RETRY_FIRST_S:g}..{RETRY_MAX_S:g} s). Hint: free space on the "
+            f"file system of {self.path.parent} (df -h {self.path.parent}) or check the device "
+            "(dmesg); the daemon serves again by itself.")
+        self._next_try = time.monotonic() + RETRY_FIRST_S
+        if self._retry is None:
+            with contextlib.suppress(RuntimeError):  # no running loop: close() tries again
+                self._retry = asyncio.get_running_loop().create_task(
+                    self._retry_writes(), name="journal-retry")
+
+    async def _retry_writes(self) -> None:
+        """Until a write goes through: the kept writes, then a `journal_fault` event."""
+        delay = RETRY_FIRST_S
+        try:
+            while self.fault is not None and self.store is not None:
+                self._next_try = time.monotonic() + delay
+                await asyncio.sleep(delay)
+                if self._flush() and self._probe():
+                    break
+                delay = min(delay * 2, RETRY_MAX_S)
+        finally:
+            self._retry = None
+
+    def _probe(self) -> bool:
+        """Record the outage as an event; when that write goes through, the fault is over."""
+        assert self.store is not None and self.fault is not None
+        f = self.fault
+        took = time.time() - f["since"]
+        text = (f"journal writes failed for {took:.1f} s from "
+                f"{time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(f['since']))} "
+                f"({f['failures']} failed write(s); last: {f['reason']}); requests were "
+                "refused with 507 and running ones paused meanwhile")
+        try:
+            self.store.record_event("journal_fault", text)
+        except (JournalError, sqlite3.Error) as exc:
+            self._failed(exc)
+            return False
+        self.fault = None
+        self.daemon.log(f"journal: {self.path} is writable again after {took:.1f} s "
+                        f"({f['failures']} failed write(s)); serving again")
+        for svc in self.daemon.services.values():
+            svc.poke()
+        return True
+
+    def _flush(self) -> bool:
+        """Write the kept writes in order (each in its own transaction), then the session
+        saves that wait for them; False (and faulted) at the first refusal."""
+        assert self.store is not None
+        while self._kept:
+            rows, running, ends, after = self._kept[0]
+            if rows or running or ends:
+                t0 = time.perf_counter()
+                try:
+                    self.store.append_tokens(rows, finish=ends, running=running)
+                except JournalConflictError as exc:  # a bug: trying again cannot help
+                    self.daemon.log(f"journal: write dropped: {exc}")
+                except (JournalError, sqlite3.Error) as exc:
+                    self._failed(exc)
+                    return False
+                finally:
+                    self.write_s += time.perf_counter() - t0  # the loop waited for it
+                self._kept[0] = ([], [], [], after)
+            while after:
+                rec = after[0]
+                try:
+                    self.daemon.sessions.finished(rec, final_state(rec) == "done")
+                except (JournalError, sqlite3.Error) as exc:
+                    self._failed(exc)
+                    return False
+                after.pop(0)
+            self._kept.pop(0)
+        return True
+
+    def _log_unwritten(self) -> None:
+        ids = sorted({r[0] for rows, _, _, _ in self._kept for r in rows}
+                     | {e[0] for _, _, ends, _ in self._kept for e in ends})
+        self.daemon.log(
+            f"journal: {len(self._kept)} write(s) of request(s) {', '.join(ids[:10])} could not "
+            f"be written before exit ({self.fault['reason'] if self.fault else 'refused'}); "
+            "those requests stay open in the journal and the next start continues them from "
+            "their last journaled token (the same tokens again: same seed, same position). "
+            f"Hint: free space on the file system of {self.path.parent} before restarting.")
+
     # -- writes -----------------------------------------------------------------------------
     def accept(self, rec: RequestRecord) -> None:
-        """Journal a new request (before its id goes out)."""
+        """Journal a new request (before its id goes out); JournalUnavailableError when the
+        storage refuses (the journal is faulted then)."""
         rec.on_finish = self.finished
         if self.store is None:
             return
+        if self.fault is not None:
+            raise JournalUnavailableError(self.unavailable().message)
         job = rec.job
         deadline = None
         if job.deadline_at is not None:
             deadline = time.time() + (job.deadline_at - time.monotonic())
-        self.store.add_request(id=job.id, model=rec.model, input=_request_input(rec.request),
-                               prompt_ids=list(job.prompt_ids), params=dict(job.params),
-                               priority=job.priority, deadline=deadline,
-                               session=rec.request.session)
+        try:
+            self.store.add_request(id=job.id, model=rec.model,
+                                   input=_request_input(rec.request),
+                                   prompt_ids=list(job.prompt_ids), params=dict(job.params),
+                                   priority=job.priority, deadline=deadline,
+                                   session=rec.request.session)
+        except JournalConflictError:
+            raise
+        except (JournalError, sqlite3.Error) as exc:
+            self._failed(exc)
+            raise JournalUnavailableError(self.unavailable().message) from exc
 
     def begin_step(self) -> None:
         self._step_depth += 1
@@ -256,8 +435,7 @@ class DaemonJournal:
             self._finishes[rec.id] = entry
             self._after.append(rec)
         else:
-            self._write([], [], [entry])
-            self.daemon.sessions.finished(rec, entry[1] == "done")
+            self._write([], [], [entry], [rec])
 
     async def commit_step(self) -> None:
         if self.cfg.ack == "fast":
@@ -268,21 +446,23 @@ class DaemonJournal:
         rows, running, ends = self._rows, self._running, list(self._finishes.values())
         after, self._after = self._after, []
         self._rows, self._running, self._finishes = [], [], {}
-        self._write(rows, running, ends)
+        self._write(rows, running, ends, after)
         self.steps += 1
-        for rec in after:
-            self.daemon.sessions.finished(rec, final_state(rec) == "done")
 
-    def _write(self, rows: list[tuple[str, int, int, int]], running: list[str],
-               ends: list[tuple[str, str, str | None, str | None]]) -> None:
-        if self.store is None or not (rows or running or ends):
+    def _write(self, rows: list[Row], running: list[str], ends: list[End],
+               after: list[RequestRecord]) -> None:
+        """One step (or finish) in one transaction, then the session saves of the turns that
+        ended in it; kept for the retry task instead when the storage refuses (or already
+        refused: order is kept)."""
+        if self.store is None:
+            for rec in after:
+                self.daemon.sessions.finished(rec, final_state(rec) == "done")
             return
-        t0 = time.perf_counter()
-        try:
-            self.store.append_tokens(rows, finish=ends, running=running)
-        except JournalError as exc:
-            self.daemon.log(f"journal: write failed: {exc}")
-        self.write_s += time.perf_counter() - t0  # the loop waits for it: the journal's cost
+        if not (rows or running or ends or after):
+            return
+        self._kept.append((rows, running, ends, list(after)))
+        if self.fault is None:
+            self._flush()
 
     # -- model registry and tokenizer cache -----------------------------------------------------
     def cached_tokenizer(self, name: str, path: Path) -> Any:
@@ -318,16 +498,20 @@ class DaemonJournal:
             if tokenizer is not None and self.store.get_tokenizer(
                     str(sha), tokenizer.fingerprint) is None:
                 cache_tokenizer(self.store, str(sha), tokenizer)
-        except (OSError, JournalError) as exc:
+        except (OSError, JournalError, sqlite3.Error) as exc:
             self.daemon.log(f"journal: could not record model {name}: {exc}")
+            if isinstance(exc, sqlite3.Error):
+                self._failed(exc)
 
     def model_failed(self, name: str, reason: str) -> None:
         if self.store is None:
             return
         try:
             self.store.record_model(name, last_failure=reason, last_failure_at=time.time())
-        except JournalError as exc:
+        except (JournalError, sqlite3.Error) as exc:
             self.daemon.log(f"journal: could not record the failure of model {name}: {exc}")
+            if isinstance(exc, sqlite3.Error):
+                self._failed(exc)
 
     # -- reads and warm start -----------------------------------------------------------------
     def rebuild(self, rid: str) -> RequestRecord | None:

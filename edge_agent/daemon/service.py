@@ -12,6 +12,9 @@ Invariants owned here:
   to UNLOADED; the loop reloads it at once when jobs wait. No request is left without an answer.
 - Load failures fail the model's queued jobs (503 naming the reason) and leave the lifecycle in
   FAILED with that reason; the next request retries the load.
+- While the journal cannot be written (`DaemonJournal.writable` false) no step runs and no job
+  starts: running requests pause (their sequences stay in the runner) and continue when the
+  journal pokes the loop. A loop that dies anyway is restarted by the daemon (app.py).
 """
 
 from __future__ import annotations
@@ -190,7 +193,12 @@ class ModelService:
             await self._wait(0.05)
             return
         free = self.daemon.memory.batch_limit(self.max_batch) - len(self.active)  # PSI stage 1
-        new = [] if self.daemon.stopping else sched.take(self.name, free, now)
+        paused = not self.daemon.journal.writable  # its tokens could not be made durable
+        new = [] if self.daemon.stopping or paused else sched.take(self.name, free, now)
+        if paused and self.active:
+            # no step until the journal takes writes again (it pokes us then)
+            await self._wait(self.daemon.wait_timeout(now))
+            return
         if (not self.active and not new and not self.to_release and not self.daemon.stopping
                 and sched.queued(self.name) > 0):
             # A lone job waits for company (batch window): the model is not idle, so neither
