@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import Daemon, daemon_env, serve_argv, spawn, stop
+from journal_harness import link_prepared
 
 from edge_agent.paths import default_model_path
 
@@ -52,6 +53,15 @@ def _start(root: Path, config: str, argv: list[str] | None = None, **popen: obje
     return spawn(Daemon, root, argv or serve_argv(root / "config.toml"), **popen)
 
 
+def _own_state(root: Path, prepared: Path) -> Path:
+    """A state directory of the daemon's own holding the session's prepared weights (hard
+    links): one daemon per state directory (it is locked), and a module-scoped daemon is alive
+    while this module's other tests start theirs."""
+    state = root / "state"
+    link_prepared(prepared, state)
+    return state
+
+
 def _stop(d: Daemon) -> None:
     stop(d, grace=30)
     shutil.rmtree(d.root, ignore_errors=True)
@@ -67,7 +77,8 @@ def two_models(prepared_state_dir: Path) -> Iterator[tuple[Daemon, int]]:
     root = Path(tempfile.mkdtemp(prefix="ea-p-", dir="/tmp"))
     port = _free_port()
     config = (
-        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
+        f'[server]\nsocket = "{root / "ea.sock"}"\n'
+        f'state_dir = "{_own_state(root, prepared_state_dir)}"\n'
         f'tcp = "127.0.0.1:{port}"\nsocket_group = "{_group()}"\n'
         f"[scheduler]\nbatch_window_ms = {WINDOW_MS}\n"
         f'[runtime]\nmlock = "best-effort"\nthreads = 1\nmemory_budget_bytes = "800M"\n'
@@ -159,7 +170,8 @@ def test_budget_too_small_for_any_model_is_503(tmp_path: Path,
                                                prepared_state_dir: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="ea-b-", dir="/tmp"))
     d = _start(root, f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = '
-               f'"{prepared_state_dir}"\n[runtime]\nmemory_budget_bytes = "100M"\n'
+               f'"{_own_state(root, prepared_state_dir)}"\n'
+               f'[runtime]\nmemory_budget_bytes = "100M"\n'
                f'[journal]\nenabled = false\n[models.smollm2]\ncontext = 256\n')
     try:
         d.wait_notify("READY=1", 60)

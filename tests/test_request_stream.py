@@ -35,13 +35,25 @@ def _request(stop: tuple[str, ...], max_tokens: int) -> GenerationRequest:
 
 
 def _expected(tok: Tokenizer, ids: list[int], stop: tuple[str, ...], max_new: int) -> str:
-    """The oracle: decode what the model generated before it ended, cut at the first stop."""
-    body: list[int] = []
-    for t in ids:
-        if t == EOS or len(body) >= max_new:
+    """The oracle: the text the model generated before it ended, cut where a stop string first
+    appears as the text grows token by token (the first stop completed wins, as in
+    llama-server; among stops completed by the same token, the one that starts first)."""
+    data = b""
+    text = ""
+    for n, t in enumerate(ids):
+        if t == EOS or n >= max_new:
             break
-        body.append(t)
-    text = tok.decode(body)
+        data += tok.token_bytes(t)
+        for trim in range(4):  # the longest prefix that is whole UTF-8
+            try:
+                text = data[: len(data) - trim].decode("utf-8")
+                break
+            except UnicodeDecodeError:
+                continue
+        cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if cuts:
+            return text[: min(cuts)]
+    text = data.decode("utf-8", errors="replace")  # the end: an incomplete tail becomes U+FFFD
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
     return text[: min(cuts)] if cuts else text
 
