@@ -1,7 +1,8 @@
 """Command-line entry point.
 
-`main(argv) -> int` is the only place that turns errors into exit codes (STYLE.md §6):
-0 ok, 1 operational error, 2 usage, 78 bad configuration, 130 interrupted.
+`main(argv) -> int` is the only place that turns errors into exit codes:
+0 ok, 1 operational error, 2 usage, 75 state directory held by another daemon, 78 bad
+configuration, 130 interrupted.
 Each sub-command lives in `edge_agent/commands/<name>.py` and exposes `register(subparsers)`,
 which adds its parser and sets `func(args) -> int`.
 """

@@ -1,4 +1,4 @@
-"""Typed, layered configuration: declared once here, loaded once, passed down (STYLE.md §7).
+"""Typed, layered configuration: declared once here, loaded once, passed down.
 
 Invariants owned here:
 - Layers, lowest precedence first: built-in defaults < the config file (/etc/edge-agent/config.toml,

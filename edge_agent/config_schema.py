@@ -2,7 +2,7 @@
 
 Invariants owned here:
 - `KEYS` is the single list of valid keys; messages about unknown keys list from it, and the
-  README's config reference is checked against it by a test.
+  table in docs/configuration.md is checked against it by tests/test_config.py.
 - A parser takes a TOML value or an environment string and returns the typed value, or raises
   ValueError with a sentence naming what it expected; `parse_all` adds key and source.
 - Keys are tuples: ("default_model",), ("server", "socket"), ("models", NAME, "context").

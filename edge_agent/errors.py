@@ -1,6 +1,6 @@
 """One exception root for edge_agent; `cli.main` maps these to exit codes.
 
-Messages follow STYLE.md: what was tried, on what, what came back, and a `Hint:` with what to do.
+Every message says what was tried, on what, what came back, and a `Hint:` with what to do.
 """
 
 from __future__ import annotations

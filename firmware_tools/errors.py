@@ -1,4 +1,4 @@
-"""One exception root for firmware_tools (STYLE.md §4)."""
+"""One exception root for firmware_tools."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One launcher for `edge-agent serve` subprocesses, shared by the tests and bench/.
 
-Recipe (STYLE.md): a short directory under /tmp (AF_UNIX paths are limited to ~108 bytes), a
+Recipe: a short directory under /tmp (AF_UNIX paths are limited to ~108 bytes), a
 NOTIFY_SOCKET the caller owns (`ROOT/notify.sock`), block until READY=1 instead of sleeping,
 always kill in `finally`.
 

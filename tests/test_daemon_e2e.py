@@ -1,6 +1,6 @@
 """End to end: `python -m edge_agent serve` as a subprocess with the real default model.
 
-Recipe (STYLE.md, launcher in tests/daemon_proc.py): short temp dir under /tmp, NOTIFY_SOCKET
+Recipe (launcher in tests/daemon_proc.py): short temp dir under /tmp, NOTIFY_SOCKET
 bound to a datagram socket the test owns, block until READY=1 (no sleeps), drive the API over the
 Unix socket, SIGTERM last, kill in `finally`. One daemon per module; tests run in file order and
 leave it idle for the next one.

@@ -1,4 +1,4 @@
-"""The rooms of ARCHITECTURE.md hold: each package imports only what its room allows.
+"""The rooms of docs/architecture.md hold: each package imports only what its room allows.
 
 A static check over every module's import statements (what import-linter would enforce, without
 adding it as a dependency).

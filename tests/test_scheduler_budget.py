@@ -18,7 +18,7 @@ from edge_agent.scheduler import (
 )
 
 MiB = 1 << 20
-# SmolLM2-135M (MEASURED.md): 538,060,032 bytes as f32; 30 layers, 3 KV heads, head_dim 64.
+# SmolLM2-135M's prepared f32 weights: 538,060,032 bytes; 30 layers, 3 KV heads, head_dim 64.
 SMOL_F32 = 538_060_032
 
 

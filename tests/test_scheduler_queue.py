@@ -542,7 +542,7 @@ def test_random_operations_keep_invariants(seed: int) -> None:
 
 
 def test_scheduler_package_stays_in_its_room() -> None:
-    # ARCHITECTURE.md: scheduler/ never imports asyncio, sockets, serial or SQLite (nor a clock).
+    # docs/architecture.md: scheduler/ never imports asyncio, sockets, serial, SQLite or a clock.
     import ast
     from pathlib import Path
 

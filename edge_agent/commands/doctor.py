@@ -37,7 +37,7 @@ __all__ = ["register", "run", "Finding", "check_cgroup", "check_psi", "check_psi
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 CAP_IPC_LOCK = 14
-DEFAULT_PIN_BYTES = 538_060_032  # the default model as f32 weights (MEASURED.md)
+DEFAULT_PIN_BYTES = 538_060_032  # SmolLM2-135M's prepared f32 weights file, in bytes
 SERIAL_GLOBS = ("/dev/ttyS[0-9]*", "/dev/ttyUSB*", "/dev/ttyACM*", "/dev/ttyAMA*")
 FIX_MEMLOCK = ("run under the shipped unit (`LimitMEMLOCK=infinity`, "
                "`AmbientCapabilities=CAP_IPC_LOCK`), or raise the limit for this user in "

@@ -2,8 +2,9 @@
 
 Requests, generated tokens (one transaction per decode step), sessions, the tokenizer cache,
 model registry facts and flash jobs; integrity check and quarantine at open; warm-start
-recovery. Never imports transports (ARCHITECTURE.md, rooms). The control plane is the only
-writer; the CLI opens the file read-only (`open_journal(path, readonly=True)`).
+recovery. Never imports transports or the daemon (docs/architecture.md; checked by
+tests/test_rooms.py). The control plane is the only writer; the CLI opens the file read-only
+(`open_journal(path, readonly=True)`).
 """
 
 from __future__ import annotations

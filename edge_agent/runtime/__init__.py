@@ -1,4 +1,5 @@
 """Model runtime: GGUF reading, prepared weights pinned in memory, tokenizer, numpy llama.
 
-Never imports asyncio, sockets, serial or SQLite (ARCHITECTURE.md, rooms).
+Never imports asyncio, sockets, serial or SQLite (docs/architecture.md; checked by
+tests/test_rooms.py).
 """

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "greedy_ids"]
 
-# One BLAS thread: on a shared 2-core board, 2 threads collapse under contention (MEASURED.md);
-# batching, not threads, is where the throughput comes from.
+# One BLAS thread: on a shared 2-core board, 2 threads collapsed 3-4x under contention
+# (docs/benchmarks.md); batching, not threads, is where the throughput comes from.
 DEFAULT_THREADS = 1
 
 

@@ -1,9 +1,9 @@
 """Scheduling core: jobs, one bounded priority queue, deadlines, batching decisions, model
 lifecycle and memory budgets.
 
-Pure: never imports asyncio, sockets, serial or SQLite (ARCHITECTURE.md, rooms); every
-time-dependent method takes `now` (seconds on the caller's monotonic clock). Each module states
-the invariants it owns at its top.
+Pure: never imports asyncio, sockets, serial, SQLite or `time` (docs/architecture.md; checked
+by tests/test_rooms.py); every time-dependent method takes `now` (seconds on the caller's
+monotonic clock). Each module states the invariants it owns at its top.
 """
 
 from __future__ import annotations
