@@ -1,6 +1,7 @@
 """Control-plane bookkeeping, in process (no runner, no socket): a load that fails with an
 unexpected exception leaves LOADING for FAILED and answers the waiting requests; a request that
-ended (cancel/expiry) before its runner reported is counted once in the metrics."""
+ended (cancel/expiry) before its runner reported is counted once in the metrics; a state
+directory that is a file stops `serve` with exit 78 and a hint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Memory guard fixes, in process on a real Daemon object (no runner): the per-model budget
+"""The memory guard, in process on a real Daemon object (no runner): the per-model budget
 includes the runner process, memory.events log lines are rate limited, and a PSI trigger the
 kernel refuses (EACCES before Linux 6.5) is explained correctly and replaced by polling."""
 
