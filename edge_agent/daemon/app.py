@@ -24,8 +24,11 @@ Invariants owned here:
   `server.drain_timeout_s` to finish; with the journal on, the queued ones and those still
   running at the drain bound stay open in the journal (their clients get 503 "daemon stopping;
   request ID is kept and resumes after restart") and the next start resumes them; with it off
-  they are answered 503 / cancelled. Runners are stopped and reaped; the socket file is
-  removed; `serve()` returns 0.
+  they are answered 503 `shutting_down` saying they cannot resume. Either way every waiting
+  client gets its answer before its connection closes (connections get the drain plus
+  ANSWER_GRACE_S): a plain one the 503 with its id, a stream an `error` event naming its id,
+  then `[DONE]` (tests/test_daemon_sigterm.py). Runners are stopped and reaped; the socket
+  file is removed; `serve()` returns 0.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from edge_agent.transports.http import HttpServer, Request, Response
 __all__ = ["Daemon"]
 
 EXTEND_USEC = 30_000_000
+ANSWER_GRACE_S = 5.0  # after the drain: time for connections to deliver their final answers
 CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
 CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
 # a callback from these modules raising means the memory guard stopped working
@@ -497,17 +501,26 @@ class Daemon:
                     rec.finish(None, error=(503, "shutting_down", "the daemon is shutting down "
                                             "before this request started. Hint: resubmit."))
             svc.poke()
-        deadline = now + float(self.config.server.drain_timeout_s)
-        http_close = asyncio.ensure_future(self.http.close())
+        drain = float(self.config.server.drain_timeout_s)
+        deadline = now + drain
+        # The connections get the drain plus ANSWER_GRACE_S: every request still open at the
+        # drain bound is answered first (below), then its connection delivers that answer
+        # (a 503 naming the id, or a stream's error event and [DONE]); never cut before.
+        http_close = asyncio.ensure_future(self.http.close(timeout=drain + ANSWER_GRACE_S))
         while any(s.active for s in self.services.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rec in list(self.records.values()):
             if not rec.done.is_set() and kept:
                 self._keep(rec)  # its journaled tokens stay; the next start continues them
             elif not rec.done.is_set():
-                self.cancel(rec.id, why="daemon shutting down (drain timeout)")
+                self.fail_record(rec, time.monotonic(), 503, "shutting_down", (
+                    f"daemon stopping: request {rec.id} did not finish within the drain "
+                    f"(server.drain_timeout_s = {drain:g} s) and the journal is off, so it "
+                    "cannot resume. Hint: resubmit it once the daemon is back; with "
+                    "[journal] enabled such requests are kept and resume after a restart."))
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic() + 1.0))
+            await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic())
+                                   + ANSWER_GRACE_S + 1.0)
         await self.flash.wait(max(1.0, deadline - time.monotonic()))
         await close_uarts(self.uarts)
         for svc in self.services.values():

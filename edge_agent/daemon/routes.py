@@ -226,7 +226,7 @@ class Router:
                     first = False
             if rec.error is not None:
                 status, code, message = rec.error
-                err = {"code": code, "message": message, "status": status,
+                err = {"code": code, "message": message, "status": status, "id": rec.id,
                        **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
                 yield sse_event({"error": err})
             else:

@@ -251,8 +251,9 @@ class HttpServer:
         task = asyncio.get_running_loop().create_task(self._accept_loop(sock))
         self._listeners.append((sock, task))
 
-    async def close(self) -> None:
-        """Stop accepting, let busy connections finish (bounded), close the rest."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, let busy connections finish (within `timeout`, by default
+        `drain_timeout_s`), close the rest."""
         self._closing = True
         for sock, task in self._listeners:
             task.cancel()
@@ -269,7 +270,8 @@ class HttpServer:
                 task.cancel()
         pending = list(self._conns)
         if pending:
-            _, still = await asyncio.wait(pending, timeout=self.drain_timeout_s)
+            _, still = await asyncio.wait(
+                pending, timeout=self.drain_timeout_s if timeout is None else timeout)
             for task in still:
                 task.cancel()
             if still:
