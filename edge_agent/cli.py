@@ -14,9 +14,10 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from edge_agent import __version__
-from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, EdgeAgentError
+from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, EdgeAgentError, UsageError
 
 __all__ = ["build_parser", "main", "main_entry", "COMMAND_MODULES"]
 
@@ -25,23 +26,94 @@ COMMAND_MODULES = ("model", "tokenize", "generate", "serve", "client", "systemd"
                    "doctor", "cgroup", "journal")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors name the command and end with a Hint: line (exit 2)."""
+
+    _deepest: argparse.ArgumentParser | None = None  # the last (sub-)parser that parsed
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        _Parser._deepest = self
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # reported by the sub-command that was parsing, so its --help is named
+            (_Parser._deepest or self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n"
+                              f"Hint: run `{self.prog} --help` for the options and arguments.\n")
+
+
+# Global options: accepted before the sub-command and after it (at any depth); a value given
+# after the sub-command wins. Sub-parsers get them with default=SUPPRESS so they do not
+# overwrite the top-level value.
+_STATE_DIR_HELP = ("state directory (default: $EDGE_AGENT_STATE_DIR, systemd's "
+                   "$STATE_DIRECTORY, CHECKOUT/.state inside an edge-agent checkout, "
+                   "/var/lib/edge-agent for a systemd install, else ~/.local/state/edge-agent)")
+_SOCKET_HELP = ("daemon socket (default: server.socket from the configuration, else "
+                "STATE_DIR/edge-agent.sock; /run/edge-agent/edge-agent.sock for a systemd "
+                "install)")
+_VERBOSE_HELP = "more detail on stderr (timings)"
+
+
+def _sub_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out: list[argparse.ArgumentParser] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                out += [child, *_sub_parsers(child)]
+    return out
+
+
+def _globals_everywhere(parser: argparse.ArgumentParser) -> set[str]:
+    """Add the global options to every sub-parser; the progs of those that take --socket."""
+    takes_socket: set[str] = set()
+    for child in _sub_parsers(parser):
+        known = child._option_string_actions
+        for flags, kwargs in ((("--state-dir",), {"metavar": "DIR", "help": _STATE_DIR_HELP}),
+                              (("-v", "--verbose"), {"action": "store_true",
+                                                     "help": _VERBOSE_HELP})):
+            if flags[-1] in known:
+                known[flags[-1]].default = argparse.SUPPRESS
+            else:
+                child.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+        if "--socket" in known:
+            known["--socket"].default = argparse.SUPPRESS
+            takes_socket.add(child.prog)
+    return takes_socket
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edge-agent",
         description="Local LLM inference and MCU flashing for ARM Linux boards.",
+        epilog="--state-dir, --socket and -v may also follow the command. "
+        "`make run` serves on CHECKOUT/.state/edge-agent.sock, which every command finds "
+        "from inside the checkout with no flags.",
     )
     parser.add_argument("--version", action="version", version=f"edge-agent {__version__}")
-    parser.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="state directory (default: $EDGE_AGENT_STATE_DIR, $STATE_DIRECTORY, "
-        "or ~/.local/state/edge-agent)",
-    )
+    parser.add_argument("--state-dir", metavar="DIR", help=_STATE_DIR_HELP)
+    parser.add_argument("--socket", metavar="PATH", help=_SOCKET_HELP)
+    parser.add_argument("-v", "--verbose", action="store_true", default=False,
+                        help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         module = importlib.import_module(f"edge_agent.commands.{name}")
         module.register(sub)
+    parser.set_defaults(_takes_socket=frozenset(_globals_everywhere(parser)))
     return parser
+
+
+def _check_socket_flag(args: argparse.Namespace) -> None:
+    """A top-level --socket for a command that never talks to the daemon is a mistake."""
+    if args.socket and args.command and not any(
+            prog.split()[1:2] == [args.command] for prog in args._takes_socket):
+        raise UsageError(f"--socket {args.socket}: `edge-agent {args.command}` does not talk "
+                         "to the daemon. Hint: drop --socket; commands that take it: "
+                         f"{', '.join(sorted({p.split()[1] for p in args._takes_socket}))}.")
 
 
 def _firmware_error_type() -> type[BaseException]:
@@ -56,9 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
+        print("edge-agent: error: no command given. Hint: pick a COMMAND above, e.g. "
+              "`edge-agent status`.", file=sys.stderr)
         return EXIT_USAGE
     firmware_error = _firmware_error_type()
     try:
+        _check_socket_flag(args)
         return int(func(args) or EXIT_OK)
     except EdgeAgentError as exc:
         print(f"edge-agent: error: {exc}", file=sys.stderr)

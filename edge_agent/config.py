@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from edge_agent import config_schema as schema
+from edge_agent import paths
 from edge_agent.errors import ConfigError
 from edge_agent.host_profiles import HostProfile, load_host_profile
 from edge_agent.paths import default_model_path
@@ -53,7 +54,7 @@ __all__ = [
 DEFAULT_CONFIG_PATH = Path("/etc/edge-agent/config.toml")
 BUILTIN_MODEL = "smollm2"
 ENV_PREFIX = "EDGE_AGENT_"
-SOCKET_NAME = "edge-agent.sock"
+BUILTIN_SOURCE = schema.Source("built-in default", "report a bug")
 
 
 @dataclass(frozen=True)
@@ -195,17 +196,12 @@ def _plain(section: str, key: str, value: Any) -> Any:
 
 
 def _default_state_dir(env: Mapping[str, str]) -> Path:
-    # Same order as edge_agent.paths.state_dir, but reading the injected environment.
-    for var in ("EDGE_AGENT_STATE_DIR", "STATE_DIRECTORY"):
-        if env.get(var):
-            return Path(env[var].split(":")[0])
-    xdg = env.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
-    return Path(xdg) / "edge-agent"
+    # The one rule (edge_agent.paths.locate), reading the injected environment.
+    return paths.locate(env=env).state_dir
 
 
 def _default_socket(env: Mapping[str, str]) -> Path:
-    runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return Path(runtime_dir or "/run/edge-agent") / SOCKET_NAME
+    return paths.locate(env=env).socket
 
 
 def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
@@ -298,7 +294,7 @@ def load_config(
     ("--socket"). `check_paths=False` skips the model-file existence check (client commands).
     """
     sources = ["built-in defaults"]
-    entries = schema.flatten(_builtin_layer(env), schema.Source("built-in default", "report a bug"))
+    entries = schema.flatten(_builtin_layer(env), BUILTIN_SOURCE)
 
     file_path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     if path is not None and not file_path.is_file():
@@ -337,6 +333,12 @@ def load_config(
 
     merged = schema.merge(entries)
     values = schema.parse_all(merged)
+    if merged[("server", "socket")][1] is BUILTIN_SOURCE and \
+            merged[("server", "state_dir")][1] is not BUILTIN_SOURCE:
+        # No layer named the socket but one moved the state directory: the socket goes with
+        # it (edge_agent.paths: STATE_DIR/edge-agent.sock, /run/edge-agent for the system one).
+        values[("server", "socket")] = paths.default_socket(values[("server", "state_dir")],
+                                                            env=env)
     return _build(values, merged, profile, tuple(sources), check_paths)
 
 

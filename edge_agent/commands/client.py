@@ -1,7 +1,9 @@
 """`edge-agent status`, `edge-agent models` and `edge-agent chat`: the daemon's CLI client.
 
 The socket is --socket, else server.socket from the layered configuration (config file,
-EDGE_AGENT_SERVER__SOCKET, ...). Data goes to stdout (JSON with --json), diagnostics to stderr.
+EDGE_AGENT_SERVER__SOCKET, ...), whose default follows the state directory (edge_agent.paths):
+inside a checkout, the `.state/edge-agent.sock` that `make run` serves on.
+Data goes to stdout (JSON with --json), diagnostics to stderr.
 `status` exits 0 only when the daemon is serving (1 when unreachable or not ready), so scripts
 can wait on it.
 """
@@ -18,12 +20,14 @@ from typing import Any, TextIO
 from edge_agent.client import DaemonClient, DaemonUnavailable
 from edge_agent.config import load_config
 
-__all__ = ["register", "run_status", "run_models", "run_chat", "render_health", "client_for"]
+__all__ = ["register", "run_status", "run_models", "run_chat", "render_health", "client_for",
+           "daemon_socket"]
 
 
 def _common(parser: argparse.ArgumentParser, timeout: float = 30.0) -> None:
     parser.add_argument("--socket", metavar="PATH",
-                        help="daemon socket (default: server.socket from the configuration)")
+                        help="daemon socket (default: server.socket from the configuration, "
+                        "else STATE_DIR/edge-agent.sock; see `edge-agent --help`)")
     parser.add_argument("--config", metavar="FILE",
                         help="configuration file (default: /etc/edge-agent/config.toml)")
     parser.add_argument("--timeout", type=float, default=timeout, metavar="S",
@@ -59,12 +63,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chat.set_defaults(func=run_chat)
 
 
+def daemon_socket(args: argparse.Namespace, config: str | None = None) -> Path:
+    """--socket, else server.socket from the configuration, whose default follows the state
+    directory (--state-dir and the rest of edge_agent.paths' rule): the socket `make run` or
+    the systemd unit serves on, with no flags."""
+    if getattr(args, "socket", None):
+        return Path(args.socket)
+    state = getattr(args, "state_dir", None)
+    overrides = {"server.state_dir": state} if state else {}
+    return load_config(config if config is not None else getattr(args, "config", None),
+                       env=os.environ, check_paths=False, overrides=overrides,
+                       flags={"server.state_dir": "--state-dir"}).server.socket
+
+
 def client_for(args: argparse.Namespace) -> DaemonClient:
-    if args.socket:
-        path = Path(args.socket)
-    else:
-        path = load_config(args.config, env=os.environ, check_paths=False).server.socket
-    return DaemonClient(path, timeout=args.timeout)
+    return DaemonClient(daemon_socket(args), timeout=args.timeout)
 
 
 # ----- status ----------------------------------------------------------------------------------
@@ -186,7 +199,7 @@ def _model_rows(models: Any) -> list[str]:
 
 
 _SECTIONS = {"queue": _queue_line, "pressure": _pressure_line, "journal": _journal_line}
-_SHOWN = {"status", "state", "pid", "uptime_s", "socket", "models", "mlock", "cgroup",
+_SHOWN = {"status", "state", "pid", "uptime_s", "started_at", "socket", "models", "mlock", "cgroup",
           *_SECTIONS}
 
 
@@ -202,7 +215,10 @@ def render_health(health: dict[str, Any], socket_path: str, http_status: int) ->
     if health.get("pid") is not None:
         facts.append(f"pid {health['pid']}")
     if health.get("uptime_s") is not None:
-        facts.append(f"up {_duration(health['uptime_s'])}")
+        up = f"up {_duration(health['uptime_s'])}"
+        if isinstance(health.get("started_at"), str):
+            up += f" since {health['started_at']}"
+        facts.append(up)
     facts += [f"HTTP {http_status}", f"socket {socket_path}"]
     lines = [f"edge-agent: {state} ({', '.join(facts)})"]
     for key, render in _SECTIONS.items():

@@ -250,13 +250,13 @@ def _run_flash(args: argparse.Namespace) -> int:
 def _daemon_socket(args: argparse.Namespace) -> Any:
     if args.socket:
         return args.socket
-    import os
 
-    from edge_agent.config import load_config
     from edge_agent.errors import ConfigError
 
     try:
-        return load_config(None, env=os.environ, check_paths=False).server.socket
+        from edge_agent.commands.client import daemon_socket
+
+        return daemon_socket(args, config=None)
     except ConfigError as exc:
         print(f"edge-agent: warning: cannot find the daemon's socket ({exc}); flashing "
               "directly", file=sys.stderr)

@@ -5,18 +5,19 @@ characters only). Weight preparation progress, the memory-lock report and (with 
 to stderr. Sampling parameters are checked before the model is loaded.
 
 Invariants owned here:
-- When a daemon answers on its socket (--socket, else server.socket from the configuration)
-  the request goes through it (`DaemonClient.stream_completion`, SSE) and the output is the same
-  text the in-process path prints at temperature 0. `--local` or `--model PATH` (a file, which
-  the daemon's named models cannot take) runs in this process; so does an absent or silent
-  socket. A daemon that answers and then fails is an error (exit 1), never a silent fallback
-  that would load a second copy of the model next to the daemon's.
+- Without --local or --model, the request goes through the daemon on its socket (--socket, else
+  server.socket from the configuration, whose default follows the state directory: see
+  edge_agent.paths) by `DaemonClient.stream_completion` (SSE); the output is the same text the
+  in-process path prints at temperature 0. No daemon on that socket, or a socket that does not
+  answer, is an error (exit 1) with a Hint naming --local: the model is never loaded in this
+  process (a second mlocked copy next to a daemon's) unless asked.
+- `--local` or `--model PATH` (a file, which the daemon's named models cannot take) runs in this
+  process, and says so on stderr at default verbosity.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,8 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "generate",
         help="stream a completion of PROMPT to stdout",
-        description="Generate a completion of PROMPT with the local model and stream it to "
-        "stdout (diagnostics on stderr). Greedy unless --temperature > 0.",
+        description="Generate a completion of PROMPT and stream it to stdout (diagnostics on "
+        "stderr). Greedy unless --temperature > 0.",
+        epilog="Where it runs: through the running daemon (found like `edge-agent status` "
+        "finds it: --socket, else the configuration, else STATE_DIR/edge-agent.sock; inside a "
+        "checkout that is the .state/edge-agent.sock `make run` serves on). When no daemon "
+        "answers, generate stops with an error instead of loading the model itself; --local "
+        "(or --model PATH) loads the model in this process, and says so on stderr.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="prompt text ('-' reads it from stdin)")
     p.add_argument("--model", metavar="PATH", help="GGUF file (default: the installed "
@@ -67,9 +73,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="BLAS threads for the forward (default: 1)")
     p.add_argument("--local", action="store_true",
-                   help="run the model in this process even when a daemon is running")
+                   help="load the model in this process instead of asking the daemon (another "
+                   "copy in RAM if a daemon runs)")
     p.add_argument("--socket", metavar="PATH",
-                   help="daemon socket (default: server.socket from the configuration)")
+                   help="daemon socket (default: server.socket from the configuration, else "
+                   "STATE_DIR/edge-agent.sock)")
     p.add_argument("--config", metavar="FILE",
                    help="configuration file for the default socket "
                    "(default: /etc/edge-agent/config.toml)")
@@ -102,16 +110,16 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt_text(args.prompt, sys.stdin)
     if not args.local and not args.model:
         client = _daemon_client(args)
-        if _answers(client):
-            generate_daemon(client, prompt, params, chat=args.chat, model=args.daemon_model,
-                            verbose=args.verbose)
-            return EXIT_OK
-        if args.verbose:
-            print(f"edge-agent: no daemon answers on {client.socket_path}; running in this "
-                  "process", file=sys.stderr)
-    elif args.daemon_model:
+        _require_daemon(client)
+        generate_daemon(client, prompt, params, chat=args.chat, model=args.daemon_model,
+                        verbose=args.verbose)
+        return EXIT_OK
+    if args.daemon_model:
         raise UsageError("generate: --daemon-model names a model of the daemon; it cannot be "
                          "used with --local or --model. Hint: drop one of them.")
+    why = "--local" if args.local else f"--model {args.model}"
+    print(f"edge-agent: loading the model in this process ({why}), not using a daemon",
+          file=sys.stderr)
     generate_local(
         prompt, params, model=Path(args.model) if args.model else None,
         state=state_dir(args.state_dir), chat=args.chat, dtype=args.dtype, mlock=args.mlock,
@@ -175,21 +183,33 @@ def generate_local(
 
 def _daemon_client(args: argparse.Namespace) -> DaemonClient:
     from edge_agent.client import DaemonClient
-    from edge_agent.config import load_config
+    from edge_agent.commands.client import daemon_socket
 
-    if args.socket:
-        path = Path(args.socket)
-    else:
-        path = load_config(args.config, env=os.environ, check_paths=False).server.socket
     # The first token may wait for a model load in the daemon: a long read timeout.
-    return DaemonClient(path, timeout=600.0)
+    return DaemonClient(daemon_socket(args), timeout=600.0)
 
 
-def _answers(client: DaemonClient) -> bool:
-    """A short probe (a stuck daemon must not hang `generate` for the long stream timeout)."""
-    from edge_agent.client import DaemonClient
+def _require_daemon(client: DaemonClient) -> None:
+    """A short probe (a stuck daemon must not hang `generate` for the long stream timeout);
+    no daemon, or one that does not answer, is an error naming --local."""
+    from edge_agent.client import DaemonClient, DaemonError
+    from edge_agent.errors import EdgeAgentError
 
-    return DaemonClient(client.socket_path, timeout=PROBE_TIMEOUT_S).available()
+    path = Path(client.socket_path)
+    if not path.exists():
+        raise EdgeAgentError(
+            f"generate: no daemon: {path} does not exist. Hint: start one (`make run` in the "
+            "checkout, `sudo systemctl start edge-agent`, or `edge-agent serve`), point "
+            "--socket/--state-dir at it, or pass --local to load the model in this process.")
+    try:
+        DaemonClient(path, timeout=PROBE_TIMEOUT_S).health_status()
+    except DaemonError as exc:
+        raise EdgeAgentError(
+            f"generate: the daemon socket {path} exists but does not answer "
+            f"({exc.message.split(' Hint:')[0]}). "
+            "Hint: check it with `edge-agent status`; a stale socket of a daemon that died "
+            "can be removed; --local loads the model in this process instead (a second copy "
+            "if a daemon is running).") from exc
 
 
 def generate_daemon(

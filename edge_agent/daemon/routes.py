@@ -32,6 +32,7 @@ from edge_agent.protocol.api import (
     sse_event,
 )
 from edge_agent.transports.http import Request, Response, StreamResponse
+from edge_agent.wallclock import health_times
 
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
@@ -135,6 +136,7 @@ class Router:
             "socket": str(d.config.server.socket),
             "journal": d.journal.health(),
         }
+        body = health_times(body, started=d.started)  # points in time as ISO 8601
         return _json(200 if status == "serving" else 503, body)
 
     async def metrics(self, req: Request) -> Reply:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -158,6 +159,9 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C in the terminal of a foreground `edge-agent serve` reaches the whole process group:
+    # the control plane shuts down cleanly and ends this runner (EOF, then SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = _parser().parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     try:
