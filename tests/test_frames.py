@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -83,13 +84,21 @@ def test_crc32_is_the_ieee_crc_an_mcu_computes() -> None:
     assert struct.unpack("<I", raw[-4:])[0] == crc32_bitwise(raw[:-4])
 
 
-def test_worked_example_bytes_from_the_readme() -> None:
-    """The README's byte-by-byte example; an MCU implementation can test against it."""
+SERIAL_DOC = Path(__file__).resolve().parent.parent / "docs" / "serial.md"
+
+
+def test_worked_example_bytes_from_docs_serial() -> None:
+    """docs/serial.md's byte-by-byte example; an MCU implementation can test against it."""
     g = fr.Generate("Hi", priority=5, max_tokens=16, deadline_ms=5000, seed=42)
     wire = fr.encode_frame(fr.FrameType.GENERATE, 7, fr.pack_generate(g))
     assert wire.hex(" ") == ("00 04 01 01 07 02 10 04 05 01 10 03 88 13 01 02 2a 01 01 01 01 07 "
                              "48 69 1c 4f 8b 7f 00")
     raw = bytes.fromhex("01 01 07 00 10 00 05 01 10 00 88 13 00 00 2a 00 00 00 00 00 48 69")
+    doc = SERIAL_DOC.read_text(encoding="utf-8")
+    assert f"wire: {wire.hex(' ')}" in doc
+    assert "raw : 01 01 07 00 10 00 | 05 01 10 00 88 13 00 00 2a 00 00 00 00 00 48 69 | " in doc
+    ack = fr.encode_frame(fr.FrameType.ACK, 7, b"")
+    assert f"ACK (`{ack.hex(' ')}`)" in doc
     assert fr.cobs_decode(wire[1:-1]) == raw + struct.pack("<I", crc32_bitwise(raw))
     frame = fr.decode_body(wire[1:-1])
     assert isinstance(frame, fr.Frame)
