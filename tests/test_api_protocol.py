@@ -18,13 +18,19 @@ from typing import Any
 import pytest
 
 from edge_agent.daemon.ipc import encode_frame, recv_frame, send_frame
+from edge_agent.daemon.metrics import Metrics, format_value
 from edge_agent.protocol.api import (
+    IGNORED_FIELDS,
     SSE_DONE,
+    UNSUPPORTED_FIELDS,
+    UNTIL_CONTEXT,
     ApiError,
     completion_chunk,
     completion_response,
     error_body,
+    parse_detokenize,
     parse_generation,
+    parse_tokenize,
     sse_event,
 )
 from edge_agent.transports.http import (
@@ -129,6 +135,209 @@ def test_bad_messages_name_the_path(messages: object, field: str) -> None:
     assert field in bad({"messages": messages}, chat=True).message
 
 
+# ---- protocol: limits (OpenAI semantics) ---------------------------------------------------
+
+def test_chat_without_a_limit_runs_until_the_context() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    assert parse({"messages": msgs}, chat=True).max_tokens == UNTIL_CONTEXT
+    assert parse({"messages": msgs, "max_tokens": None}, chat=True).max_tokens == UNTIL_CONTEXT
+    assert parse({"messages": msgs}, chat=None).max_tokens == UNTIL_CONTEXT
+    assert parse({"messages": msgs, "max_tokens": 7}, chat=True).max_tokens == 7
+    # max_completion_tokens wins over max_tokens, and is checked like it
+    r = parse({"messages": msgs, "max_tokens": 7, "max_completion_tokens": 3}, chat=True)
+    assert r.max_tokens == 3 and r.sampling_dict(1)["max_tokens"] == 3
+    assert parse({"messages": msgs, "max_completion_tokens": 5}, chat=True).max_tokens == 5
+    err = bad({"messages": msgs, "max_completion_tokens": 0}, chat=True)
+    assert "'max_completion_tokens'" in err.message and err.param == "max_completion_tokens"
+    # completions keep OpenAI's documented default of 16; an explicit default still wins
+    assert parse({"prompt": "x"}).max_tokens == 16
+    assert parse_generation({"prompt": "x"}, chat=False, max_tokens_limit=9,
+                            default_max_tokens=4).max_tokens == 4
+    err = bad({"prompt": "x", "max_completion_tokens": 5})
+    assert err.code == "unknown_parameter" and "use max_tokens" in err.message
+
+
+# ---- protocol: unknown, ignored and unsupported fields -------------------------------------
+
+CHAT_MSGS = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("chat, body, param, words", [
+    (False, {"prompt": "x", "foo": 1}, "foo", "unknown parameter for /v1/completions"),
+    (True, {"messages": CHAT_MSGS, "max_tokns": 5}, "max_tokns", "did you mean 'max_tokens'"),
+    (True, {"messages": CHAT_MSGS, "prompt": "x"}, "prompt", "/v1/completions"),
+    (False, {"prompt": "x", "messages": CHAT_MSGS}, "messages", "/v1/chat/completions"),
+    (True, {"messages": CHAT_MSGS, "n_predict": 5}, "n_predict", "max_completion_tokens"),
+    (False, {"prompt": "x", "store": True}, "store", "unknown"),  # a chat-only field
+    (True, {"messages": CHAT_MSGS, "foo": None}, "foo", "unknown"),  # null is no excuse
+    (True, {"messages": CHAT_MSGS, "stream_options": {"x": 1}}, "stream_options.x", "unknown"),
+])
+def test_unknown_fields_are_refused_naming_them(chat: bool, body: dict, param: str,
+                                                words: str) -> None:
+    err = bad(body, chat=chat)
+    assert err.code == "unknown_parameter" and err.param == param
+    assert f"'{param}'" in err.message and words in err.message
+    doc = json.loads(err.body())["error"]
+    assert doc == {"message": err.message, "type": "invalid_request_error", "param": param,
+                   "code": "unknown_parameter"}
+
+
+def test_ignored_fields_are_accepted_and_type_checked() -> None:
+    body = {"messages": CHAT_MSGS, "user": "u1", "store": False, "metadata": {"k": "v"},
+            "service_tier": "auto", "parallel_tool_calls": True, "safety_identifier": "s",
+            "prompt_cache_key": "p", "n": 1, "stream_options": None}
+    r = parse(body, chat=True)
+    assert r.messages is not None and r.max_tokens == UNTIL_CONTEXT
+    assert parse({"prompt": "x", "user": "u", "n": None, "stream": None}).stream is False
+    assert set(IGNORED_FIELDS) == {"user", "store", "metadata", "service_tier",
+                                   "parallel_tool_calls", "safety_identifier",
+                                   "prompt_cache_key"}
+    for key, value in (("user", 3), ("store", "yes"), ("metadata", {"k": 1}),
+                       ("parallel_tool_calls", "no")):
+        err = bad({"messages": CHAT_MSGS, key: value}, chat=True)
+        assert err.code == "invalid_request" and err.param == key and "ignored" in err.message
+    assert "n=1" in bad({"messages": CHAT_MSGS, "n": 2}, chat=True).message
+
+
+NOT_YET = [
+    (True, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (True, "tool_choice", "required"),
+    (True, "response_format", {"type": "json_object"}),
+    (True, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    (True, "logprobs", True),
+    (True, "top_logprobs", 3),
+    (True, "presence_penalty", 0.5),
+    (True, "frequency_penalty", -1),
+    (True, "logit_bias", {"50256": -100}),
+    (True, "min_p", 0.05),
+    (True, "repeat_penalty", 1.1),
+    (True, "functions", [{"name": "f"}]),
+    (False, "echo", True),
+    (False, "logprobs", 2),
+    (False, "logprobs", 0),
+    (False, "suffix", "end"),
+    (False, "presence_penalty", 1),
+]
+
+
+@pytest.mark.parametrize("chat, key, value", NOT_YET)
+def test_unimplemented_parameters_are_refused_not_ignored(chat: bool, key: str,
+                                                         value: object) -> None:
+    body = {"messages": CHAT_MSGS} if chat else {"prompt": "x"}
+    err = bad({**body, key: value}, chat=chat)
+    assert err.code == "unsupported_parameter" and err.param == key
+    assert f"'{key}'" in err.message and "not supported yet" in err.message
+
+
+def test_stream_options_include_usage_is_refused_until_supported() -> None:
+    err = bad({"messages": CHAT_MSGS, "stream": True, "stream_options": {"include_usage": True}},
+              chat=True)
+    assert err.code == "unsupported_parameter" and err.param == "stream_options.include_usage"
+    assert "not supported yet" in err.message
+    assert bad({"prompt": "x", "stream_options": 1}).param == "stream_options"
+    ok = {"include_usage": False, "include_obfuscation": True}
+    assert parse({"prompt": "x", "stream": True, "stream_options": ok}).stream
+
+
+@pytest.mark.parametrize("chat, key, value", [
+    (True, "reasoning_effort", "low"), (True, "audio", {"voice": "x"}),
+    (True, "modalities", ["text", "audio"]), (True, "prediction", {"type": "content"}),
+    (True, "web_search_options", {}), (True, "verbosity", "low"), (False, "best_of", 3),
+])
+def test_parameters_this_server_lacks_are_refused(chat: bool, key: str, value: object) -> None:
+    body = {"messages": CHAT_MSGS} if chat else {"prompt": "x"}
+    err = bad({**body, key: value}, chat=chat)
+    assert err.code == "unsupported_parameter" and "not supported by this server" in err.message
+
+
+def test_neutral_values_change_nothing_and_are_accepted() -> None:
+    chat = {"messages": CHAT_MSGS, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "min_p": 0, "repeat_penalty": 1.0, "tools": [],
+            "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+            "top_logprobs": 0, "modalities": ["text"], "functions": [], "function_call": "none",
+            "audio": None, "reasoning_effort": None, "stream_options": {"include_usage": False}}
+    plain = parse({"messages": CHAT_MSGS}, chat=True)
+    assert parse(chat, chat=True) == plain
+    comp = {"prompt": "x", "echo": False, "logprobs": None, "suffix": "", "best_of": 1,
+            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+    assert parse(comp) == parse({"prompt": "x"})
+    # every unsupported field has a neutral value or refuses all but null
+    for kind in ("chat", "completion"):
+        for key, (neutral, shown, _planned) in UNSUPPORTED_FIELDS[kind].items():
+            if shown != "null":
+                assert neutral(json.loads(shown)), (kind, key)
+
+
+def test_error_body_has_openai_type_and_param() -> None:
+    err = ApiError(400, "invalid_request", "field 'messages[1].role': bad. Hint: fix it.")
+    assert err.param == "messages[1].role"
+    assert json.loads(err.body())["error"]["type"] == "invalid_request_error"
+    doc = json.loads(ApiError(503, "queue_full", "full. Hint: retry.").body())["error"]
+    assert doc == {"message": "full. Hint: retry.", "type": "server_error", "param": None,
+                   "code": "queue_full"}
+    assert bad({"prompt": "x", "temperature": 9}).param == "temperature"
+    assert bad({"messages": [{"role": "bot", "content": "x"}]}, chat=True).param == \
+        "messages[0].role"
+
+
+# ---- protocol: /tokenize and /detokenize bodies (llama-server's shapes) --------------------
+
+def test_tokenize_and_detokenize_bodies() -> None:
+    t = parse_tokenize(b'{"content": "Hi"}')
+    assert (t.content, t.add_special, t.parse_special, t.with_pieces, t.model) == (
+        "Hi", False, True, False, None)
+    t = parse_tokenize(json.dumps({"content": "", "add_special": True, "parse_special": False,
+                                   "with_pieces": True, "model": "m"}).encode())
+    assert (t.add_special, t.parse_special, t.with_pieces, t.model) == (True, False, True, "m")
+    assert parse_detokenize(b'{"tokens": [1, 2, 3]}').tokens == (1, 2, 3)
+    for fn, raw, param, code in (
+            (parse_tokenize, b'{}', "content", "invalid_request"),
+            (parse_tokenize, b'{"content": ["a"]}', "content", "invalid_request"),
+            (parse_tokenize, b'{"content": "a", "with_pieces": 1}', "with_pieces",
+             "invalid_request"),
+            (parse_tokenize, b'{"content": "a", "text": "b"}', "text", "unknown_parameter"),
+            (parse_detokenize, b'{"tokens": "1 2"}', "tokens", "invalid_request"),
+            (parse_detokenize, b'{"tokens": [1, -2]}', "tokens[1]", "invalid_request"),
+            (parse_detokenize, b'{"tokens": [true]}', "tokens[0]", "invalid_request"),
+            (parse_detokenize, b'{"tokens": [1], "model": ""}', "model", "invalid_request"),
+            (parse_detokenize, b'{"ids": [1]}', "ids", "unknown_parameter")):
+        with pytest.raises(ApiError) as info:
+            fn(raw)
+        err = info.value
+        assert (err.status, err.code, err.param) == (400, code, param), (raw, err.message)
+        assert "Hint:" in err.message
+
+
+# ---- metrics text ----------------------------------------------------------------------------
+
+def test_metrics_exact_integers_model_labels_build_info_prompt_tokens() -> None:
+    from edge_agent import __version__
+
+    assert format_value(538_060_032) == "538060032"
+    assert format_value(538_060_032.0) == "538060032" and format_value(True) == "1"
+    assert format_value(0.1) == "0.1" and format_value(float("inf")) == "+Inf"
+    m = Metrics()
+    m.observe_step("a", 2, 2, 0.02)
+
+    class Rec:
+        model, prompt_tokens, submitted_mono, first_token_at = "a", 12, time.monotonic(), None
+
+    m.request_done(Rec(), "done")
+    m.request_done(Rec(), "cancelled")
+    text = m.render(lambda: {"edge_agent_locked_bytes": [('model="a"', 538_060_032)],
+                             "edge_agent_model_serving": [('model="a"', 1.0)]})
+    lines = text.splitlines()
+    assert 'edge_agent_locked_bytes{model="a"} 538060032' in lines
+    assert 'edge_agent_model_serving{model="a"} 1' in lines
+    assert f'edge_agent_build_info{{version="{__version__}"}} 1' in lines
+    assert 'edge_agent_prompt_tokens_total{model="a"} 24' in lines
+    assert "# TYPE edge_agent_prompt_tokens_total counter" in lines
+    assert 'edge_agent_batch_size_bucket{model="a",le="2"} 1' in lines
+    assert 'edge_agent_request_latency_seconds_count{model="a"} 2' in lines
+    assert 'edge_agent_step_seconds_count{model="a"} 1' in lines
+    assert not any("e+" in ln for ln in lines if not ln.startswith("#")), text
+
+
 # ---- protocol: response shapes -------------------------------------------------------------
 
 def test_openai_shapes_and_sse() -> None:
@@ -147,7 +356,8 @@ def test_openai_shapes_and_sse() -> None:
     assert sse_event("x", event="token", event_id=3) == b"id: 3\nevent: token\ndata: x\n\n"
     assert SSE_DONE == b"data: [DONE]\n\n"
     assert json.loads(error_body("c", "m", {"ran_s": 1})) == {
-        "error": {"code": "c", "message": "m", "ran_s": 1}}
+        "error": {"message": "m", "type": "invalid_request_error", "param": None, "code": "c",
+                  "ran_s": 1}}
 
 
 # ---- runner framing ------------------------------------------------------------------------

@@ -156,7 +156,9 @@ def test_json_nested_past_the_limit_names_the_field() -> None:
     assert "'extra[0]" in err.message and str(MAX_JSON_DEPTH) in err.message
     ok = MAX_JSON_DEPTH - 1  # the top-level object is one level
     body = b'{"prompt": "x", "extra": ' + b"[" * ok + b"]" * ok + b"}"
-    assert parse_generation(body, chat=None, max_tokens_limit=100).prompt == "x"
+    with pytest.raises(ApiError) as info:  # within the limits: refused only as unknown
+        parse_generation(body, chat=None, max_tokens_limit=100)
+    assert info.value.code == "unknown_parameter" and info.value.param == "extra"
 
 
 def test_integer_of_4300_digits_is_400_naming_the_field() -> None:

@@ -1,8 +1,11 @@
 """HTTP routes of the daemon: map API requests onto Daemon operations.
 
 Invariants owned here:
-- Every reply is JSON (`{"error": {"code", "message"}}` for errors) except /metrics (Prometheus
-  text) and streams (server-sent events, ending with `data: [DONE]` on the OpenAI routes).
+- Every reply is JSON (`{"error": {"message", "type", "param", "code"}}` for errors, OpenAI's
+  shape) except /metrics (Prometheus text) and streams (server-sent events, ending with
+  `data: [DONE]` on the OpenAI routes). docs/api.md is the reference of every route.
+- /tokenize and /detokenize use the model's own tokenizer, the one generation requests are
+  encoded with (`ModelService.ensure_tokenizer`); no runner is needed for them.
 - A client that goes away (the transport cancels the handler or closes the stream) cancels its
   request: generation stops at the next step and its KV blocks are released.
 - Unknown paths are 404, known paths with another method 405 (with Allow).
@@ -27,7 +30,9 @@ from edge_agent.protocol.api import (
     check_query,
     completion_chunk,
     completion_response,
+    parse_detokenize,
     parse_generation,
+    parse_tokenize,
     query_int,
     sse_event,
 )
@@ -84,6 +89,7 @@ class Router:
             (re.compile(r"/health"), {"GET": self.health}),
             (re.compile(r"/metrics"), {"GET": self.metrics}),
             (re.compile(r"/v1/models"), {"GET": self.models}),
+            (re.compile(r"/v1/models/(?P<name>[^/]+)"), {"GET": self.model}),
             (re.compile(r"/v1/models/(?P<name>[^/]+)/(?P<action>load|unload)"),
              {"POST": self.model_action}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
@@ -95,6 +101,8 @@ class Router:
             (re.compile(r"/v1/flash"), {"POST": self.flash_create}),
             (re.compile(r"/v1/flash/ports"), {"GET": self.flash_ports}),
             (re.compile(r"/v1/flash/(?P<fid>[^/]+)"), {"GET": self.flash_get}),
+            (re.compile(r"/tokenize"), {"POST": self.tokenize}),
+            (re.compile(r"/detokenize"), {"POST": self.detokenize}),
         ]
 
     async def handle(self, req: Request) -> Reply:
@@ -112,12 +120,13 @@ class Router:
                 check_query(req.query, QUERY_KEYS.get(fn.__name__, ()))
                 return await fn(req, **m.groupdict())
             raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
-                           "see GET /health, /metrics, /v1/models, /v1/completions, "
-                           "/v1/chat/completions, /v1/requests.")
+                           "see GET /health, /metrics, /v1/models, /v1/models/{id}, POST "
+                           "/v1/completions, /v1/chat/completions, /v1/requests, /tokenize, "
+                           "/detokenize (docs/api.md).")
         except ApiError as exc:
             return Response(exc.status, exc.body(), headers=exc.headers)
         except EdgeAgentError as exc:
-            return _json(503, {"error": {"code": "unavailable", "message": str(exc)}})
+            return Response(503, ApiError(503, "unavailable", str(exc)).body())
 
     # -- status --------------------------------------------------------------------------------
     async def health(self, req: Request) -> Reply:
@@ -163,12 +172,23 @@ class Router:
         return Response(200, (d.metrics.render(gauges) + d.memory.render_metrics()).encode(),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @staticmethod
+    def _model_object(name: str, svc: Any) -> dict[str, Any]:
+        return {"id": name, "object": "model", "owned_by": "edge-agent", "created": 0,
+                "state": svc.lifecycle.state.value, "context": svc.context,
+                "max_batch": svc.max_batch}
+
     async def models(self, req: Request) -> Reply:
-        data = [{"id": n, "object": "model", "owned_by": "edge-agent",
-                 "created": 0, "state": s.lifecycle.state.value, "context": s.context,
-                 "max_batch": s.max_batch}
-                for n, s in self.d.services.items()]
+        data = [self._model_object(n, s) for n, s in self.d.services.items()]
         return _json(200, {"object": "list", "data": data})
+
+    async def model(self, req: Request, name: str) -> Reply:
+        svc = self.d.services.get(name)
+        if svc is None:
+            raise ApiError(404, "model_not_found", f"the model {name!r} does not exist (models: "
+                           f"{', '.join(sorted(self.d.services))}). Hint: GET /v1/models "
+                           "lists them.")
+        return _json(200, self._model_object(name, svc))
 
     async def model_action(self, req: Request, name: str, action: str) -> Reply:
         svc = self.d.services.get(name)
@@ -185,6 +205,7 @@ class Router:
 
     # -- generation ----------------------------------------------------------------------------
     def _parse(self, req: Request, chat: bool | None) -> Any:
+        # no limit given: chat runs to end-of-sequence or the context, completions stop at 16
         return parse_generation(req.body, chat=chat, max_tokens_limit=MAX_TOKENS_LIMIT)
 
     async def completions(self, req: Request) -> Reply:
@@ -208,8 +229,8 @@ class Router:
         if rec.error is not None:
             status, code, message = rec.error
             extra = {k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}
-            err = {"code": code, "message": message, "id": rec.id, **extra}
-            return _json(status, {"error": err})
+            return Response(status, ApiError(status, code, message,
+                                             extra={"id": rec.id, **extra}).body())
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
@@ -228,9 +249,9 @@ class Router:
                     first = False
             if rec.error is not None:
                 status, code, message = rec.error
-                err = {"code": code, "message": message, "status": status, "id": rec.id,
-                       **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
-                yield sse_event({"error": err})
+                extra = {"status": status, "id": rec.id,
+                         **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
+                yield sse_event(json.loads(ApiError(status, code, message, extra=extra).body()))
             else:
                 yield sse_event(completion_chunk(text=None, finish_reason=rec.finish_reason,
                                                  first=first, **common))
@@ -238,6 +259,37 @@ class Router:
         finally:
             if not rec.done.is_set():
                 self.d.cancel(rec.id, why="client disconnected")
+
+    # -- tokenizer (llama-server's /tokenize and /detokenize) -----------------------------------
+    def _tokenizer(self, model: str | None) -> tuple[str, Any]:
+        name = model or self.d.config.default_model
+        svc = self.d.services.get(name)
+        if svc is None:
+            raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
+                           f"(registered: {', '.join(sorted(self.d.services))}). Hint: GET "
+                           "/v1/models lists them.")
+        return name, svc.ensure_tokenizer()
+
+    async def tokenize(self, req: Request) -> Reply:
+        treq = parse_tokenize(req.body)
+        _, tok = self._tokenizer(treq.model)
+        add_bos = treq.add_special and bool(getattr(tok, "add_bos", False))
+        ids = encode_text(tok, treq.content, add_bos=add_bos, parse_special=treq.parse_special)
+        if not treq.with_pieces:
+            return _json(200, {"tokens": ids})
+        return _json(200, {"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))}
+                                      for i in ids]})
+
+    async def detokenize(self, req: Request) -> Reply:
+        dreq = parse_detokenize(req.body)
+        name, tok = self._tokenizer(dreq.model)
+        size = int(tok.vocab_size)
+        for i, t in enumerate(dreq.tokens):
+            if t >= size:
+                raise ApiError(400, "invalid_request", f"field 'tokens[{i}]': token id {t} is "
+                               f"outside the vocabulary 0..{size - 1} of model {name!r}. Hint: "
+                               "send ids this model's POST /tokenize returned.")
+        return _json(200, {"content": tok.decode(list(dreq.tokens))})
 
     # -- native requests -----------------------------------------------------------------------
     def _record(self, rid: str) -> RequestRecord:
@@ -287,3 +339,34 @@ class Router:
 
     async def flash_get(self, req: Request, fid: str) -> Reply:
         return _json(200, self.d.flash.get(fid).to_dict())
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's text, or its bytes when they are not UTF-8 on their own (llama-server's rule)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def encode_text(tok: Any, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+    """Token ids of `text` with the model's tokenizer; with parse_special, the text of a control
+    token (`<|im_start|>`) is that token, as llama-server's /tokenize does by default."""
+    native = getattr(tok, "tokenize", None)
+    if callable(native):  # llama.cpp's vocabulary parses special text itself
+        return [int(i) for i in native(text, add_bos=add_bos, parse_special=parse_special)]
+    ids: list[int] = [tok.bos_id] if add_bos and tok.bos_id is not None else []
+    specials = {tok.token_text(i): i for i in getattr(tok, "special_ids", ()) if
+                tok.token_text(i)} if parse_special else {}
+    if not specials:
+        return ids + [int(i) for i in tok.encode(text)]
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    at = 0
+    for m in pattern.finditer(text):
+        if m.start() > at:
+            ids += tok.encode(text[at:m.start()])
+        ids.append(specials[m.group()])
+        at = m.end()
+    if at < len(text):
+        ids += tok.encode(text[at:])
+    return [int(i) for i in ids]

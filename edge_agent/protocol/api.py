@@ -5,7 +5,17 @@ Invariants owned here:
 - Every rejected body raises `ApiError` with an HTTP status, a stable `code` and a message that
   names the offending field (`messages[1].role`, `max_tokens`, ...) and ends with a `Hint:`.
 - `bool` is never accepted where a number is expected (JSON `true` is not `1`).
-- Unknown top-level fields are ignored (OpenAI clients send many); known fields are checked.
+- Every top-level field is known to the endpoint or refused (400 `unknown_parameter` naming it,
+  in body order). A known field is honored; or on the documented ignore list (accepted, type
+  checked, no effect: IGNORED_FIELDS); or an OpenAI parameter this server does not implement
+  (400 `unsupported_parameter`), unless it carries its neutral value (`presence_penalty: 0`,
+  `response_format: {"type": "text"}`, ...), which changes nothing. `null` is as if absent.
+- Error bodies are OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; `type`
+  follows the status (`invalid_request_error` for 4xx, `server_error` for 5xx), `param` names
+  the field (`None` when the error is about no single field).
+- Limits: chat with no `max_tokens` / `max_completion_tokens` generates until end-of-sequence or
+  the context (UNTIL_CONTEXT); `max_completion_tokens` wins over `max_tokens`; completions keep
+  OpenAI's documented default of 16.
 - Every body is bounded before any field is read, wherever the value sits (unknown fields too):
   arrays/objects nest at most MAX_JSON_DEPTH levels, a number literal has at most
   MAX_NUMBER_DIGITS characters, a string (or key) at most MAX_STRING_CHARS characters, and no
@@ -18,9 +28,10 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -30,6 +41,14 @@ from edge_agent.errors import EdgeAgentError
 __all__ = [
     "ApiError",
     "ChatMessage",
+    "DetokenizeRequest",
+    "IGNORED_FIELDS",
+    "TokenizeRequest",
+    "UNSUPPORTED_FIELDS",
+    "UNTIL_CONTEXT",
+    "error_type",
+    "parse_detokenize",
+    "parse_tokenize",
     "check_limits",
     "check_query",
     "parse_query",
@@ -64,6 +83,9 @@ MAX_QUERY_INT_DIGITS = 18  # below 2**63
 _SHOW_CHARS = 80  # values quoted in messages are cut to this
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _BAD_PERCENT = re.compile("%(?![0-9A-Fa-f]{2})")
+_FIELD_PREFIX = re.compile(r"(?:field|query) '([^']+)'")
+UNTIL_CONTEXT = (1 << 31) - 1  # max_tokens meaning "until end-of-sequence or the context"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
 class ApiError(EdgeAgentError):
@@ -77,6 +99,7 @@ class ApiError(EdgeAgentError):
         *,
         headers: Sequence[tuple[str, str]] = (),
         extra: Mapping[str, Any] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -84,9 +107,14 @@ class ApiError(EdgeAgentError):
         self.message = message
         self.headers = tuple(headers)
         self.extra = dict(extra or {})
+        if param is None:  # "field 'messages[1].role': ..." names its field
+            m = _FIELD_PREFIX.match(message)
+            param = m.group(1) if m else None
+        self.param = param
 
     def body(self) -> bytes:
-        return error_body(self.code, self.message, self.extra)
+        return error_body(self.code, self.message, self.extra, status=self.status,
+                          param=self.param)
 
 
 @dataclass(frozen=True)
@@ -103,7 +131,7 @@ class GenerationRequest:
     model: str | None
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
-    max_tokens: int
+    max_tokens: int  # UNTIL_CONTEXT: until end-of-sequence or the context (no limit asked)
     temperature: float
     top_p: float
     top_k: int
@@ -125,12 +153,21 @@ class GenerationRequest:
         }
 
 
-def _bad(field: str, problem: str, hint: str) -> ApiError:
-    return ApiError(400, "invalid_request", f"field {field!r}: {problem}. Hint: {hint}")
+def _bad(field: str, problem: str, hint: str, code: str = "invalid_request") -> ApiError:
+    param = None if field == "request body" or field.startswith("a key in ") else field
+    return ApiError(400, code, f"field {field!r}: {problem}. Hint: {hint}", param=param)
 
 
-def error_body(code: str, message: str, extra: Mapping[str, Any] | None = None) -> bytes:
-    err: dict[str, Any] = {"code": code, "message": message}
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(code: str, message: str, extra: Mapping[str, Any] | None = None, *,
+               status: int = 400, param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code", ...extra}}` (OpenAI's shape)."""
+    err: dict[str, Any] = {"message": message, "type": error_type(status), "param": param,
+                           "code": code}
     if extra:
         err.update(extra)
     return json.dumps({"error": err}).encode()
@@ -408,16 +445,185 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         out.append(ChatMessage(role, content))
     return tuple(out)
 
+# ----- which top-level fields each endpoint takes ------------------------------------------------
+
+_CHAT, _COMPLETION = "chat", "completion"
+_BOTH = frozenset((_CHAT, _COMPLETION))
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n")
+EXTENSION_FIELDS = ("top_k", "priority", "timeout_ms", "session")  # not OpenAI's; honored
+HONORED_FIELDS: dict[str, frozenset[str]] = {
+    _CHAT: frozenset(("messages", "max_completion_tokens", *_COMMON, *EXTENSION_FIELDS)),
+    _COMPLETION: frozenset(("prompt", *_COMMON, *EXTENSION_FIELDS)),
+}
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_zero(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+
+
+def _is_one(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+# accepted, type checked, no effect: (endpoints, type check, what the type check wants)
+IGNORED_FIELDS: dict[str, tuple[frozenset[str], Callable[[Any], bool], str]] = {
+    "user": (_BOTH, _is_str, "a string"),
+    "store": (frozenset((_CHAT,)), _is_bool, "true or false"),
+    "metadata": (frozenset((_CHAT,)),
+                 lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                 "an object of string values"),
+    "service_tier": (frozenset((_CHAT,)), _is_str, "a string"),
+    # tools are refused (UNSUPPORTED_FIELDS), so there are never tool calls to parallelize
+    "parallel_tool_calls": (frozenset((_CHAT,)), _is_bool, "true or false"),
+    "safety_identifier": (frozenset((_CHAT,)), _is_str, "a string"),
+    "prompt_cache_key": (frozenset((_CHAT,)), _is_str, "a string"),
+}
+
+# OpenAI (or llama-server) parameters this server does not implement: 400 unless the value is
+# the neutral one. (neutral check, the neutral value as shown, planned: "not supported yet")
+_Unsupported = tuple[Callable[[Any], bool], str, bool]
+_SHARED_UNSUPPORTED: dict[str, _Unsupported] = {
+    "presence_penalty": (_is_zero, "0", True),
+    "frequency_penalty": (_is_zero, "0", True),
+    "logit_bias": (lambda v: v == {}, "{}", True),
+    "min_p": (_is_zero, "0", True),
+    "repeat_penalty": (_is_one, "1", True),
+}
+UNSUPPORTED_FIELDS: dict[str, dict[str, _Unsupported]] = {
+    _CHAT: {
+        **_SHARED_UNSUPPORTED,
+        "tools": (lambda v: v == [], "[]", True),
+        "tool_choice": (lambda v: v in ("none", "auto"), '"none"', True),
+        "functions": (lambda v: v == [], "[]", True),
+        "function_call": (lambda v: v in ("none", "auto"), '"none"', True),
+        "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', True),
+        "logprobs": (lambda v: v is False, "false", True),
+        "top_logprobs": (_is_zero, "0", True),
+        "modalities": (lambda v: v == ["text"], '["text"]', False),
+        "audio": (_never, "null", False),
+        "prediction": (_never, "null", False),
+        "web_search_options": (_never, "null", False),
+        "reasoning_effort": (_never, "null", False),
+        "verbosity": (_never, "null", False),
+    },
+    _COMPLETION: {
+        **_SHARED_UNSUPPORTED,
+        "echo": (lambda v: v is False, "false", True),
+        "logprobs": (_never, "null", True),
+        "suffix": (lambda v: v == "", '""', True),
+        "best_of": (_is_one, "1", False),
+    },
+}
+_STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+_UNKNOWN_HINTS: dict[tuple[str, str], str] = {
+    (_COMPLETION, "max_completion_tokens"): "use max_tokens here (max_completion_tokens is a "
+    "field of /v1/chat/completions)",
+    (_COMPLETION, "messages"): "send messages to /v1/chat/completions, or a prompt here",
+    (_CHAT, "prompt"): 'send "messages": [{"role": "user", "content": "..."}], or send the '
+    "prompt to /v1/completions",
+    (_CHAT, "n_predict"): "use max_completion_tokens (or max_tokens)",
+    (_COMPLETION, "n_predict"): "use max_tokens",
+}
+
+
+def _unknown(key: str, takes: Iterable[str], hint: str | None = None,
+             where: str = "") -> ApiError:
+    """400 unknown_parameter naming `key`, with a close match or the fields `takes`."""
+    shown = _show_key(key)
+    if hint is None:
+        close = difflib.get_close_matches(key, list(takes), n=1, cutoff=0.75)
+        hint = (f"did you mean {close[0]!r}? " if close else "remove it; ") + (
+            "docs/api.md lists the fields of every endpoint")
+    return ApiError(400, "unknown_parameter", f"field {shown!r}: unknown parameter{where}. "
+                    f"Hint: {hint}.", param=shown)
+
+
+def _check_fields(d: Mapping[str, Any], chat: bool) -> None:
+    """Every top-level field honored, ignored (type checked) or neutral; else a 400."""
+    kind = _CHAT if chat else _COMPLETION
+    honored = HONORED_FIELDS[kind]
+    unsupported = UNSUPPORTED_FIELDS[kind]
+    for key, value in d.items():
+        if key in honored:
+            continue
+        ignored = IGNORED_FIELDS.get(key)
+        if ignored is not None and kind in ignored[0]:
+            if value is not None and not ignored[1](value):
+                raise _bad(key, f"expected {ignored[2]}, got {_show(value)}",
+                           f"send {ignored[2]}, or leave it out (it is accepted and ignored)")
+            continue
+        if key == "stream_options":
+            _stream_options(value)
+            continue
+        if key in unsupported:
+            neutral, shown, planned = unsupported[key]
+            if value is None or neutral(value):
+                continue
+            when = "is not supported yet" if planned else "is not supported by this server"
+            raise _bad(key, f"{when} (got {_show(value)}; only {shown}, which changes nothing, "
+                       "is accepted)", f"remove {key!r} (or send {shown})",
+                       code="unsupported_parameter")
+        takes = [*honored, *(k for k, v in IGNORED_FIELDS.items() if kind in v[0])]
+        where = " for /v1/chat/completions" if chat else " for /v1/completions"
+        raise _unknown(key, takes, _UNKNOWN_HINTS.get((kind, key)), where)
+
+
+def _stream_options(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad("stream_options", f"expected an object, got {_show(value)}",
+                   'use {"include_usage": false} or leave it out')
+    for key, v in value.items():
+        where = f"stream_options.{_show_key(key)}"
+        if key not in _STREAM_OPTIONS:
+            raise _unknown(f"stream_options.{key}",
+                           [f"stream_options.{k}" for k in _STREAM_OPTIONS])
+        if v is not None and not isinstance(v, bool):
+            raise _bad(where, f"expected true or false, got {_show(v)}", "send true or false")
+        if key == "include_usage" and v:
+            raise _bad(where, "is not supported yet (got true; only false, which changes "
+                       "nothing, is accepted)", "remove it; the final non-streamed reply "
+                       "carries usage", code="unsupported_parameter")
+
+
+def _max_tokens(d: Mapping[str, Any], chat: bool, limit: int, default: int | None) -> int:
+    """max_completion_tokens (chat) wins over max_tokens; neither: `default`, else until the
+    context for chat and OpenAI's 16 for completions."""
+    mt = _int(d, "max_tokens", None, 1, limit)
+    mct = _int(d, "max_completion_tokens", None, 1, limit) if chat else None
+    if mct is not None:
+        return mct
+    if mt is not None:
+        return mt
+    if default is not None:
+        return default
+    return UNTIL_CONTEXT if chat else COMPLETION_DEFAULT_MAX_TOKENS
+
 
 def parse_generation(
     body: bytes | Mapping[str, Any],
     *,
     chat: bool | None,
     max_tokens_limit: int,
-    default_max_tokens: int = 16,
+    default_max_tokens: int | None = None,
 ) -> GenerationRequest:
     """Validate a /v1/completions (chat=False), /v1/chat/completions (chat=True) or
-    /v1/requests (chat=None: whichever of prompt / messages is present) body."""
+    /v1/requests (chat=None: whichever of prompt / messages is present) body. With no
+    `max_tokens` (or `max_completion_tokens`): `default_max_tokens` when given, else chat runs
+    until end-of-sequence or the context and completions stop after 16 (OpenAI's defaults)."""
     if isinstance(body, (bytes, bytearray)):
         d = parse_json_body(body)
     else:
@@ -428,6 +634,7 @@ def parse_generation(
             raise _bad("prompt", "give exactly one of 'prompt' or 'messages'",
                        'use "prompt": "text" or "messages": [...]')
         chat = "messages" in d
+    _check_fields(d, chat)
     model = d.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise _bad("model", f"expected a model name, got {_show(model)}",
@@ -444,10 +651,12 @@ def parse_generation(
             raise _bad("prompt", f"expected a string, got {_show(p)}",
                        'use "prompt": "Once upon a time"')
         prompt = p
-    n = d.get("n", 1)
+    n = d.get("n")
+    n = 1 if n is None else n
     if n != 1 or isinstance(n, bool):
         raise _bad("n", f"{_show(n)} choices requested", "only n=1 is supported")
-    stream = d.get("stream", False)
+    stream = d.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise _bad("stream", f"expected true or false, got {_show(stream)}",
                    'use "stream": true')
@@ -461,7 +670,7 @@ def parse_generation(
         model=model,
         prompt=prompt,
         messages=messages,
-        max_tokens=int(_int(d, "max_tokens", default_max_tokens, 1, max_tokens_limit) or 1),
+        max_tokens=_max_tokens(d, chat, max_tokens_limit, default_max_tokens),
         temperature=_float(d, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=int(_int(d, "top_k", 0, 0, 1 << 20) or 0),
@@ -472,6 +681,82 @@ def parse_generation(
         timeout_ms=_int(d, "timeout_ms", None, 1, 7 * 24 * 3600 * 1000),
         session=_session(d),
     )
+
+
+# ----- /tokenize and /detokenize (llama-server's shapes) ----------------------------------------
+
+TOKENIZE_FIELDS = ("content", "add_special", "parse_special", "with_pieces", "model")
+DETOKENIZE_FIELDS = ("tokens", "model")
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    content: str
+    add_special: bool  # BOS when the model's vocabulary adds one (llama-server: false)
+    parse_special: bool  # control-token text such as <|im_start|> is that token (default true)
+    with_pieces: bool  # [{"id", "piece"}] instead of bare ids
+    model: str | None
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    tokens: tuple[int, ...]
+    model: str | None
+
+
+def _known_only(d: Mapping[str, Any], takes: Sequence[str], path: str) -> None:
+    for key in d:
+        if key not in takes:
+            raise _unknown(key, takes, f"remove it; {path} takes {', '.join(takes)}",
+                           f" for {path}")
+
+
+def _model_field(d: Mapping[str, Any]) -> str | None:
+    model = d.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise _bad("model", f"expected a model name, got {_show(model)}",
+                   "GET /v1/models lists the names; leave it out for the default model")
+    return model
+
+
+def _bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"expected true or false, got {_show(v)}", f'use "{key}": true')
+    return v
+
+
+def parse_tokenize(body: bytes) -> TokenizeRequest:
+    """POST /tokenize: {"content": str, "add_special"?, "parse_special"?, "with_pieces"?,
+    "model"?} as llama-server takes it (the model is this server's addition)."""
+    d = parse_json_body(body)
+    _known_only(d, TOKENIZE_FIELDS, "/tokenize")
+    content = d.get("content")
+    if not isinstance(content, str):
+        raise _bad("content", f"expected a string, got {_show(content)}",
+                   'send {"content": "Hello world"}')
+    return TokenizeRequest(content=content, add_special=_bool_field(d, "add_special", False),
+                           parse_special=_bool_field(d, "parse_special", True),
+                           with_pieces=_bool_field(d, "with_pieces", False),
+                           model=_model_field(d))
+
+
+def parse_detokenize(body: bytes) -> DetokenizeRequest:
+    """POST /detokenize: {"tokens": [int, ...], "model"?} (ids are checked against the
+    model's vocabulary by the caller)."""
+    d = parse_json_body(body)
+    _known_only(d, DETOKENIZE_FIELDS, "/detokenize")
+    tokens = d.get("tokens")
+    if not isinstance(tokens, list):
+        raise _bad("tokens", f"expected a list of token ids, got {_show(tokens)}",
+                   'send {"tokens": [19556, 905]} (ids from POST /tokenize)')
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _bad(f"tokens[{i}]", f"expected a non-negative integer, got {_show(t)}",
+                       "send token ids as integers (POST /tokenize returns them)")
+    return DetokenizeRequest(tokens=tuple(tokens), model=_model_field(d))
 
 
 def completion_response(

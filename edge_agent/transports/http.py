@@ -111,7 +111,7 @@ Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
 
 def _err(status: int, code: str, message: str,
          headers: Sequence[tuple[str, str]] = ()) -> Response:
-    return Response(status, error_body(code, message), headers=headers)
+    return Response(status, error_body(code, message, status=status), headers=headers)
 
 
 def _stderr(text: str) -> None:
