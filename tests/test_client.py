@@ -384,3 +384,199 @@ def test_chat_reset_and_errors(daemon: FakeDaemon, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     assert cli.main(["chat", "--socket", str(short_dir / "none.sock")]) == 1
     assert "Hint: start the daemon" in capsys.readouterr().err
+
+
+# ----- where the state directory and the socket are (edge_agent.paths) -------------------------
+
+
+def _checkout(root: Path) -> Path:
+    """A directory that looks like an edge-agent checkout (what paths.checkout_root looks for)."""
+    (root / "edge_agent").mkdir(parents=True, exist_ok=True)
+    (root / "edge_agent" / "paths.py").write_text("")
+    (root / "pyproject.toml").write_text('[project]\nname = "edge-agent"\n')
+    return root
+
+
+@pytest.fixture
+def no_location_env(monkeypatch: pytest.MonkeyPatch, short_dir: Path) -> Path:
+    """No EDGE_AGENT_*/systemd variables, no config file, no systemd install (its directories
+    pointed into short_dir, absent)."""
+    import os
+
+    from edge_agent import config, paths
+
+    for var in list(os.environ):
+        if var.startswith("EDGE_AGENT_") or var in ("STATE_DIRECTORY", "RUNTIME_DIRECTORY"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("XDG_STATE_HOME", str(short_dir / "xdg"))
+    monkeypatch.setattr(paths, "SYSTEM_STATE_DIR", short_dir / "var-lib-edge-agent")
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", short_dir / "run-edge-agent")
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", short_dir / "no-config.toml")
+    return short_dir
+
+
+def test_state_dir_and_socket_rule(no_location_env: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge_agent import paths
+
+    root = no_location_env
+    outside = root / "elsewhere"
+    outside.mkdir()
+    co = _checkout(root / "co")
+    (co / "edge_agent" / "sub").mkdir()
+    env: dict[str, str] = {"XDG_STATE_HOME": str(root / "xdg")}
+    # XDG when nothing else applies; the socket sits in the state directory
+    loc = paths.locate(env=env, cwd=outside)
+    assert (loc.state_dir, loc.socket) == (root / "xdg" / "edge-agent",
+                                           root / "xdg" / "edge-agent" / "edge-agent.sock")
+    # a checkout (from any directory inside it): CHECKOUT/.state, the socket `make run` serves on
+    for cwd in (co, co / "edge_agent" / "sub"):
+        loc = paths.locate(env=env, cwd=cwd)
+        assert (loc.state_dir, loc.socket) == (co / ".state", co / ".state" / "edge-agent.sock")
+        assert str(co) in loc.why
+    # the systemd install, once its socket or state directory exists
+    paths.SYSTEM_RUNTIME_DIR.mkdir()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(paths.SYSTEM_RUNTIME_DIR / "edge-agent.sock"))
+    loc = paths.locate(env=env, cwd=outside)
+    assert (loc.state_dir, loc.socket) == (paths.SYSTEM_STATE_DIR,
+                                           paths.SYSTEM_RUNTIME_DIR / "edge-agent.sock")
+    assert paths.locate(env=env, cwd=co).state_dir == co / ".state"  # the checkout comes first
+    # systemd's own variables (inside the service), then EDGE_AGENT_STATE_DIR, then the flag
+    sd = {**env, "STATE_DIRECTORY": "/var/lib/x:/o", "RUNTIME_DIRECTORY": "/run/x"}
+    loc = paths.locate(env=sd, cwd=co)
+    assert (loc.state_dir, loc.socket) == (Path("/var/lib/x"), Path("/run/x/edge-agent.sock"))
+    loc = paths.locate(env={**env, "EDGE_AGENT_STATE_DIR": "/srv/ea"}, cwd=co)
+    assert (loc.state_dir, loc.socket) == (Path("/srv/ea"), Path("/srv/ea/edge-agent.sock"))
+    loc = paths.locate("/opt/st", env={**env, "EDGE_AGENT_STATE_DIR": "/srv/ea"}, cwd=co)
+    assert (loc.state_dir, loc.socket, loc.why) == (Path("/opt/st"),
+                                                    Path("/opt/st/edge-agent.sock"), "--state-dir")
+    # naming the system state directory keeps the system socket
+    assert paths.locate(str(paths.SYSTEM_STATE_DIR), env=env).socket == \
+        paths.SYSTEM_RUNTIME_DIR / "edge-agent.sock"
+    # serve's configuration follows the same rule, and its socket follows --state-dir
+    from edge_agent.config import load_config
+
+    monkeypatch.chdir(co)
+    c = load_config(None, env={}, check_paths=False)
+    assert (c.server.state_dir, c.server.socket) == (co / ".state",
+                                                     co / ".state" / "edge-agent.sock")
+    c = load_config(None, env={}, check_paths=False, overrides={"server.state_dir": "st"})
+    assert (c.server.state_dir, c.server.socket) == (co / "st", co / "st" / "edge-agent.sock")
+
+
+def _serve_fake(sock: Path) -> tuple[FakeDaemon, threading.Thread]:
+    server = FakeDaemon(str(sock))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    return server, thread
+
+
+def test_commands_find_the_checkout_daemon_with_no_flags(
+        no_location_env: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`make run` serves on CHECKOUT/.state/edge-agent.sock; status and models find it from the
+    checkout (and below it) with no flags."""
+    co = _checkout(no_location_env / "co")
+    (co / ".state").mkdir()
+    server, thread = _serve_fake(co / ".state" / "edge-agent.sock")
+    try:
+        for cwd in (co, co / "edge_agent"):
+            monkeypatch.chdir(cwd)
+            assert cli.main(["status", "--json"]) == 0
+            doc = json.loads(capsys.readouterr().out)
+            assert doc["available"] and doc["socket"] == str(co / ".state" / "edge-agent.sock")
+            assert cli.main(["models"]) == 0
+            assert capsys.readouterr().out.startswith("NAME ")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_global_options_after_the_command(daemon: FakeDaemon, no_location_env: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    sock = Path(str(daemon.server_address))  # short_dir/api.sock
+    state = sock.parent / "st"
+    state.mkdir()
+    (state / "edge-agent.sock").symlink_to(sock)
+    for argv in (["status", "--json", "--state-dir", str(state)],
+                 ["--state-dir", str(state), "status", "--json"],
+                 ["--socket", str(sock), "status", "--json"],
+                 ["status", "--json", "--socket", str(sock)],
+                 ["models", "-v", "--socket", str(sock)]):
+        assert cli.main(argv) == 0, argv
+        out = capsys.readouterr().out
+        if "--json" in argv:
+            assert json.loads(out)["available"] is True
+    # after the command wins over before it
+    assert cli.main(["--state-dir", "/nowhere", "status", "--json", "--state-dir",
+                     str(state)]) == 0
+    capsys.readouterr()
+    # a top-level --socket for a command that never talks to the daemon is refused
+    assert cli.main(["--socket", str(sock), "journal", "stats"]) == 2
+    err = capsys.readouterr().err
+    assert f"--socket {sock}: `edge-agent journal` does not talk to the daemon" in err
+    assert "Hint: drop --socket" in err
+
+
+@pytest.mark.parametrize(("argv", "prog", "fragment"), [
+    (["status", "--bogus"], "edge-agent status", "unrecognized arguments: --bogus"),
+    (["model", "info", "--nope"], "edge-agent model info", "unrecognized arguments: --nope"),
+    (["generate"], "edge-agent generate", "the following arguments are required: PROMPT"),
+    (["generate", "x", "--max-tokens", "many"], "edge-agent generate",
+     "argument --max-tokens: invalid int value: 'many'"),
+    (["frobnicate"], "edge-agent", "argument COMMAND: invalid choice: 'frobnicate'"),
+])
+def test_usage_errors_end_with_a_hint(argv: list[str], prog: str, fragment: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2].startswith(f"{prog}: error: {fragment}"), err
+    assert err[-1] == f"Hint: run `{prog} --help` for the options and arguments."
+
+
+def test_no_command_is_a_usage_error_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "edge-agent: error: no command given. Hint: ")
+
+
+# ----- wall-clock times ------------------------------------------------------------------------
+
+
+def test_health_points_in_time_become_iso_8601() -> None:
+    from datetime import datetime
+
+    from edge_agent.wallclock import health_times, iso
+
+    h = copy.deepcopy(HEALTH)
+    h["pressure"]["last_change"] = 39100.5
+    h["pressure"]["history"] = [{"at": 39100.5, "from": 0, "to": 1}]
+    h["models"]["smollm2"]["memory"]["last_oom"] = {"at": 1796019000.25, "event": "oom"}
+    wall, now = 1796019500.0, 39300.0
+    out = health_times(h, started=39000.0, wall=wall, now=now)
+    assert h["models"]["smollm2"]["since"] == 39219.076327461  # the input is not touched
+    m = out["models"]["smollm2"]
+    for key in ("since", "idle_since", "last_used"):
+        t = datetime.fromisoformat(m[key])
+        assert t.utcoffset() is not None
+        assert abs(t.timestamp() - (wall - (now - 39219.076327461))) < 0.001
+    assert datetime.fromisoformat(out["started_at"]).timestamp() == wall - 300.0
+    assert out["uptime_s"] == HEALTH["uptime_s"]  # durations stay seconds
+    assert out["pressure"]["last_event"] is None  # no event yet: still null
+    assert datetime.fromisoformat(out["pressure"]["last_change"]).timestamp() == wall - 199.5
+    assert out["pressure"]["history"][0]["at"] == 39100.5  # intervals are computed from it
+    assert out["pressure"]["history"][0]["time"] == out["pressure"]["last_change"]
+    assert m["memory"]["last_oom"]["at"] == iso(1796019000.25)
+    assert out["journal"]["retention"]["at"] == iso(1796019492.565725)
+    assert iso(0.0).endswith(("+00:00", "Z")) or iso(0.0)[-6] in "+-"
+
+
+def test_status_headline_has_the_start_time() -> None:
+    h = {"status": "serving", "pid": 7, "uptime_s": 61.0,
+         "started_at": "2025-06-01T14:03:07.412+02:00"}
+    assert render_health(h, "/s", 200) == ("edge-agent: serving (pid 7, up 1m01s since "
+                                           "2025-06-01T14:03:07.412+02:00, HTTP 200, socket /s)")

@@ -53,7 +53,7 @@ def load(**kw):  # type: ignore[no-untyped-def]
 
 def test_builtin_defaults() -> None:
     c = load(env={"EDGE_AGENT_STATE_DIR": "/tmp/st"})
-    assert c.server.socket == Path("/run/edge-agent/edge-agent.sock")
+    assert c.server.socket == Path("/tmp/st/edge-agent.sock")  # the socket goes with the state
     assert c.server.state_dir == Path("/tmp/st")
     assert c.server.socket_mode == 0o660 and c.server.max_body_bytes == 1 << 20
     assert c.server.tcp == "" and c.server.drain_timeout_s == 30.0

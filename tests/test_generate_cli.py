@@ -13,8 +13,9 @@ from edge_agent.cli import main
 STORY = "Once upon a time, in a small village by the sea,"
 
 
-def _run(state, *argv, capsys):
-    code = main(["--state-dir", str(state), "generate", "--mlock", "off", *argv])
+def _run(state, *argv, capsys, local=True):
+    code = main(["--state-dir", str(state), "generate", "--mlock", "off",
+                 *(["--local"] if local else []), *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -23,7 +24,7 @@ def test_stdout_is_exactly_the_completion(prepared_state_dir, tokenizer, referen
     expected = tokenizer.decode(reference_logits["story__generated_ids"][:8].tolist())
     proc = subprocess.run(
         [sys.executable, "-m", "edge_agent", "--state-dir", str(prepared_state_dir),
-         "generate", "--max-tokens", "8", STORY],
+         "generate", "--local", "--max-tokens", "8", STORY],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -37,6 +38,8 @@ def test_chat_prompt_uses_the_template_and_stops_at_eos(prepared_state_dir, caps
     assert code == 0
     assert out == "The capital of France is Paris."
     assert "not locked (mlock policy off)" in err
+    # in process, said at any verbosity
+    assert "edge-agent: loading the model in this process (--local), not using a daemon" in err
     assert "prompt 37 tokens; 7 tokens in" in err  # the reference chat prompt is 37 tokens
 
 
@@ -91,3 +94,65 @@ def test_help_lists_the_sampling_flags(capsys):
     for flag in ("--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--chat",
                  "--mlock", "--dtype", "--local", "PROMPT"):
         assert flag in out
+
+
+# ----- where it runs: through the daemon, or in this process only when asked -------------------
+
+
+@pytest.fixture
+def short_state():
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(prefix="ea-gen-", dir="/tmp"))  # AF_UNIX paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _refuses_without_loading(monkeypatch, capsys, argv):
+    from edge_agent.runtime import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("generate loaded the model in process without --local")
+
+    monkeypatch.setattr(engine.Engine, "load", no_load)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", err
+    assert "loading the model in this process" not in err
+    return err
+
+
+def test_no_daemon_refuses_and_names_local(short_state, monkeypatch, capsys):
+    err = _refuses_without_loading(monkeypatch, capsys,
+                                   ["--state-dir", str(short_state), "generate", "hello"])
+    sock = short_state / "edge-agent.sock"
+    assert f"edge-agent: error: generate: no daemon: {sock} does not exist. Hint: " in err
+    assert "`make run`" in err and "--local to load the model in this process" in err
+    # --socket after the command names another missing socket: the same refusal, naming it
+    err = _refuses_without_loading(monkeypatch, capsys,
+                                   ["generate", "hello", "--socket", str(short_state / "x.sock")])
+    assert f"no daemon: {short_state / 'x.sock'} does not exist" in err
+
+
+def test_a_socket_that_does_not_answer_refuses_and_names_local(short_state, monkeypatch,
+                                                                capsys):
+    import socket
+
+    sock = short_state / "edge-agent.sock"
+    with socket.socket(socket.AF_UNIX) as s:  # bound, never listening: a dead daemon's socket
+        s.bind(str(sock))
+        err = _refuses_without_loading(monkeypatch, capsys,
+                                       ["generate", "--state-dir", str(short_state), "hello"])
+    assert f"generate: the daemon socket {sock} exists but does not answer (" in err
+    assert "Connection refused" in err and err.count("Hint:") == 1
+    assert "`edge-agent status`" in err and "--local loads the model in this process" in err
+
+
+def test_help_states_where_generate_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "When no daemon answers, generate stops with an error instead of loading the " \
+        "model itself; --local (or --model PATH) loads the model in this process" in out
