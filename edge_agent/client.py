@@ -6,7 +6,9 @@ Invariants owned here:
 - Every failure is an EdgeAgentError: `DaemonUnavailable` when nothing answers on the socket,
   `DaemonError(code, message, status)` for an HTTP error reply (the server's JSON
   {"error": {"code", "message"}} when it sent one), for a timeout and for a reply that is not
-  the expected JSON. `retry_after` carries a 503's Retry-After seconds.
+  the expected JSON. `retry_after` carries a 503's Retry-After seconds. A socket path that
+  can never work (too long for AF_UNIX, under a file, on /proc) is a `SocketPathError`
+  (edge_agent/sockpath.py, exit 78) before any connect.
 - `available()` never raises: False when the socket is absent, refuses or does not speak HTTP.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 from urllib.parse import quote
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.sockpath import SocketPathError, check_socket_path
 
 __all__ = ["DaemonClient", "DaemonError", "DaemonUnavailable", "UnixHTTPConnection"]
 
@@ -70,6 +73,7 @@ class DaemonClient:
 
     def _open(self, method: str, path: str, body: Mapping[str, Any] | None
               ) -> tuple[UnixHTTPConnection, http.client.HTTPResponse]:
+        check_socket_path(self.socket_path)  # SocketPathError (exit 78): can never connect
         conn = UnixHTTPConnection(self.socket_path, self.timeout)
         headers = {"Accept": "application/json"}
         payload = None
@@ -146,7 +150,7 @@ class DaemonClient:
         """True when something answers HTTP on the socket (any status)."""
         try:
             conn, resp = self._open("GET", "/health", None)
-        except DaemonError:
+        except (DaemonError, SocketPathError):
             return False
         try:
             resp.read()

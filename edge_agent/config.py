@@ -27,6 +27,7 @@ from typing import Any
 from edge_agent import config_schema as schema
 from edge_agent import paths
 from edge_agent.errors import ConfigError
+from edge_agent.filekind import not_regular
 from edge_agent.host_profiles import HostProfile, load_host_profile
 from edge_agent.paths import default_model_path
 from edge_agent.scheduler.jobs import SchedulerConfig
@@ -374,10 +375,11 @@ def _build(
                 f'path = "/var/lib/edge-agent/models/{name}.gguf" to [models.{name}] '
                 f"(only the built-in {BUILTIN_MODEL!r} may omit it)."
             )
-        if model_path is not None and check_paths and not model_path.is_file():
+        wrong = not_regular(model_path) if model_path is not None and check_paths else None
+        if wrong is not None:  # says what the path is: no such file, a directory, a FIFO...
             src = merged[("models", name, "path")][1]
             raise ConfigError(
-                f"models.{name}.path = {str(model_path)!r} (from {src.label}): no such file. "
+                f"models.{name}.path = {str(model_path)!r} (from {src.label}): {wrong}. "
                 f"Hint: {src.hint}; point it at a GGUF file."
             )
         models[name] = ModelConfigEntry(name=name, path=model_path, **raw)

@@ -13,6 +13,9 @@ Invariants this module owns:
   than flash, start on an erase-unit boundary (or a warning, if the profile allows it).
 - Every rejection is an `ElfImageError` whose `rule` names the check and whose message names the
   segment (program header index), its addresses and the rule, and ends with a `Hint:`.
+- An ELF is read up to `elf_read_limit(profile)` bytes (the profile's flash size plus
+  ELF_EXTRA_BYTES), never more: a larger file, or a pipe or device (/dev/zero) that gives more,
+  is rejected (rule "too-large") naming the path and the limit; a directory is named as one.
 - Segment bytes come from slicing the file (pyelftools parses headers only), so a short read
   can never go unnoticed and a 1 MiB image costs a few bytearray copies.
 """
@@ -22,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -34,6 +37,7 @@ from firmware_tools.profiles import McuProfile
 __all__ = ["ElfImageError", "FlashImage", "SegmentInfo", "load_elf"]
 
 ELF_MAGIC = b"\x7fELF"
+ELF_EXTRA_BYTES = 64 << 20  # read limit beyond the flash size: headers, symbols, debug sections
 ELF32_EHDR_SIZE = 52
 _CLASSES = {1: "ELF32", 2: "ELF64"}
 _ENDIAN = {1: "little endian", 2: "big endian"}
@@ -123,15 +127,56 @@ def _flags(p_flags: int) -> str:
     return "".join(c for bit, c in ((4, "R"), (2, "W"), (1, "X")) if p_flags & bit)
 
 
-def _read(path: str | os.PathLike[str]) -> bytes:
+def elf_read_limit(profile: McuProfile) -> tuple[int, str]:
+    """The most bytes an ELF for `profile` is read up to, and why."""
+    why = (f"the {profile.name} flash ({_size(profile.flash_size)}) plus "
+           f"{_size(ELF_EXTRA_BYTES)} for ELF headers, symbols and debug sections")
+    return profile.flash_size + ELF_EXTRA_BYTES, why
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
+def _read(path: str | os.PathLike[str], profile: McuProfile) -> bytes:
+    """The file's bytes, never more than `elf_read_limit` (a device or pipe is read up to it)."""
+    name = os.fspath(path)
+    limit, why = elf_read_limit(profile)
+    too_big = ("Hint: check the path to the firmware ELF; if it is one, strip its debug "
+               "sections (arm-none-eabi-strip -g) or use a board profile with more flash.")
     try:
-        return Path(path).read_bytes()
+        with open(name, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(21, "Is a directory")
+            if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+                raise ElfImageError(
+                    f"{name}: {st.st_size} bytes, more than the {limit} bytes an ELF for "
+                    f"{profile.name} may have ({why}). {too_big}",
+                    rule="too-large",
+                )
+            data = fh.read(limit + 1)  # a FIFO or device (/dev/zero) stops here too
     except OSError as exc:
+        what = exc.strerror or str(exc)
+        if isinstance(exc, IsADirectoryError):
+            what = "it is a directory, not an ELF file"
         raise ElfImageError(
-            f"{os.fspath(path)}: cannot read it ({exc.strerror or exc}). "
-            "Hint: check the path to the firmware ELF.",
+            f"{name}: cannot read it ({what}). Hint: check the path to the firmware ELF.",
             rule="io",
         ) from exc
+    if len(data) > limit:
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+        raise ElfImageError(
+            f"{name} ({kind}): reading stopped at the limit of {limit} bytes for an ELF for "
+            f"{profile.name} ({why}). {too_big}",
+            rule="too-large",
+        )
+    return data
 
 
 def _check_ident(name: str, data: bytes, profile: McuProfile) -> None:
@@ -346,7 +391,7 @@ def _start_warnings(name: str, base: int, profile: McuProfile) -> tuple[str, ...
 def load_elf(path: str | os.PathLike[str], profile: McuProfile) -> FlashImage:
     """Read an ELF executable, check it against `profile`, and build its flash image."""
     name = os.fspath(path)
-    data = _read(path)
+    data = _read(path, profile)
     _check_ident(name, data, profile)
     try:
         elf = ELFFile(io.BytesIO(data))

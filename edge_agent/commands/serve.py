@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from edge_agent.daemon.app import Daemon
 
+    if not os.environ.get("LISTEN_FDS"):  # socket activation: the configured path is unused
+        from edge_agent.sockpath import check_socket_path
+
+        check_socket_path(config.server.socket, role="serve")  # before anything starts
+
     async def main() -> int:
         return await Daemon(config).serve()
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent.errors import ModelFileError
+from edge_agent.filekind import not_regular
 from edge_agent.runtime import quant
 
 __all__ = ["GGUFFile", "TensorInfo", "GGUF_MAGIC", "DEFAULT_ALIGNMENT"]
@@ -115,6 +116,13 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        wrong = not_regular(self.path)  # stat only: a FIFO is never opened (it would block)
+        if wrong is not None and wrong.startswith("is "):  # missing: the open says so
+            raise ModelFileError(
+                f"{self.path}: {wrong}. "
+                "Hint: check the path given with --model or in the config; it must be a "
+                ".gguf weights file."
+            )
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:

@@ -59,6 +59,7 @@ import h11
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError, error_body, parse_query
+from edge_agent.sockpath import bind_error, check_socket_path
 
 __all__ = ["Request", "Response", "StreamResponse", "HttpServer", "Handler", "SocketInUseError"]
 
@@ -195,12 +196,18 @@ class HttpServer:
 
     # ---- listening -------------------------------------------------------------------------
     async def listen_unix(self, path: Path, *, mode: int = 0o660, group: str | None = None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = check_socket_path(path, role="serve")  # too long, under a file, on /proc
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise bind_error(path, exc) from exc
         _remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(str(path))
+            try:
+                sock.bind(str(path))
+            except OSError as exc:
+                raise bind_error(path, exc) from exc
             os.chmod(path, mode)
             if group:
                 try:
