@@ -8,8 +8,10 @@ leave it idle for the next one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -351,3 +353,78 @@ def test_bad_config_exits_78(tmp_path: Path) -> None:
                         str(tmp_path / "missing.toml")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 78 and "missing.toml" in r.stderr
+
+
+def test_make_run_in_a_checkout_no_flags_then_ctrl_c(prepared_state_dir: Path) -> None:
+    """`make run` as the Makefile runs it, in a checkout: status, models, journal, model info
+    and generate find it from the checkout with no flags; /health and status give wall-clock
+    times; Ctrl-C (SIGINT to the terminal's process group: daemon and runner) stops it with
+    exit 0 and no traceback."""
+    from datetime import datetime
+
+    from daemon_proc import daemon_env
+    from journal_harness import link_prepared
+
+    root = Path(tempfile.mkdtemp(prefix="ea-co-", dir="/tmp"))
+    co = root / "co"
+    (co / "docs").mkdir(parents=True)
+    (co / "edge_agent").symlink_to(REPO / "edge_agent")  # `python -m` imports it from the cwd
+    (co / "pyproject.toml").write_text('[project]\nname = "edge-agent"\n')
+    link_prepared(prepared_state_dir, co / ".state")
+    env = daemon_env(root, {"EDGE_AGENT_MODELS__SMOLLM2__PRELOAD": "true",
+                            "EDGE_AGENT_MODELS__SMOLLM2__CONTEXT": str(CONTEXT),
+                            "EDGE_AGENT_MODELS__SMOLLM2__MAX_BATCH": "2",
+                            "EDGE_AGENT_RUNTIME__MLOCK": "off"})
+    cli_env = {k: v for k, v in os.environ.items()
+               if not k.startswith("EDGE_AGENT_") and k not in ("NOTIFY_SOCKET",)}
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(root / "notify.sock"))
+    log = root / "daemon.log"
+    with log.open("wb") as fh:  # the Makefile's `run` recipe, a session of its own like a shell
+        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "--state-dir", ".state",
+                                 "serve", "--socket", ".state/edge-agent.sock"], cwd=co,
+                                env=env, stdout=fh, stderr=fh, start_new_session=True)
+    d = Daemon(root, proc, notify, log)
+
+    def ea(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "edge_agent", *argv], cwd=co / "docs",
+                              env=cli_env, capture_output=True, text=True, timeout=120)
+
+    try:
+        d.wait_notify("READY=1", 180)
+        st = ea("status")
+        assert st.returncode == 0, st.stderr
+        head = st.stdout.splitlines()[0]
+        assert f"socket {co / '.state' / 'edge-agent.sock'})" in head, st.stdout
+        since = head.split(" since ")[1].split(",")[0]
+        started = datetime.fromisoformat(since)
+        assert started.utcoffset() is not None and abs(started.timestamp() - time.time()) < 300
+        health = json.loads(ea("status", "--json").stdout)["health"]
+        assert isinstance(health["uptime_s"], float)
+        for key in ("since", "last_used"):
+            assert datetime.fromisoformat(health["models"]["smollm2"][key]).utcoffset() \
+                is not None
+        models = ea("models")
+        assert models.returncode == 0 and models.stdout.split()[4] == "smollm2", models
+        gen = ea("generate", "--max-tokens", "6", PROMPTS[0])
+        assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
+        assert "generating through the daemon on " + str(co / ".state" / "edge-agent.sock") \
+            in gen.stderr
+        journal = ea("journal", "stats", "--json")
+        assert journal.returncode == 0, journal.stderr
+        assert str(co / ".state" / "journal.sqlite3") in journal.stdout + journal.stderr
+        info = ea("model", "info", "--json")
+        assert info.returncode == 0, info.stderr
+        f32 = next(e for e in json.loads(info.stdout)["prepared"] if e["dtype"] == "f32")
+        assert f32["exists"] and f32["path"].startswith(str(co / ".state")), info.stdout
+        # Ctrl-C: the terminal sends SIGINT to every process of the foreground group
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0, d.log_tail()
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        notify.close()
+        shutil.rmtree(root, ignore_errors=True)

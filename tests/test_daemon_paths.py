@@ -129,10 +129,11 @@ def test_generate_goes_through_the_daemon_and_equals_local(
     assert local.returncode == 0, local.stderr
     assert "through the daemon" not in local.stderr
     assert via.stdout == local.stdout and via.stdout.strip()
-    # no daemon on the socket: runs in process (same text)
+    # no daemon on the socket: refused, never a second copy of the model in this process
     absent = subprocess.run(cmd[:-1] + [str(d.root / "none.sock")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
-    assert absent.returncode == 0 and absent.stdout == local.stdout, absent.stderr
+    assert absent.returncode == 1 and absent.stdout == "", absent.stderr
+    assert "no daemon" in absent.stderr and "--local" in absent.stderr
     bad = subprocess.run(cmd + ["--local", "--daemon-model", "x"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--daemon-model" in bad.stderr
