@@ -190,9 +190,9 @@ class GGUFFile:
             n = 1
             for d in shape:
                 n *= d
-            gtype = quant.type_by_id(type_id)
+            gtype = quant.type_info(type_id)  # any GGML type: its size, dequantizable or not
             if gtype is None:
-                nbytes = 0  # unknown size; refused when the tensor is read
+                nbytes = 0  # not a GGML type: unknown size; refused when the tensor is read
             else:
                 if n % gtype.block_elems:
                     raise ModelFileError(

@@ -1,4 +1,4 @@
-"""GGML tensor types: sizes and numpy dequantization kernels.
+"""GGML tensor types: names and sizes of all of them, numpy dequantization kernels for some.
 
 Invariants: a quantized tensor's row length is a multiple of its block size; every kernel takes
 the raw bytes of whole blocks and returns float32 of exactly `n_elements` values, in GGML order
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GGMLType", "TYPES", "type_by_id", "type_name", "dequantize", "tensor_nbytes"]
+__all__ = ["ALL_TYPES", "GGMLType", "TYPES", "dequantize", "tensor_nbytes", "type_by_id",
+           "type_info", "type_name"]
 
 
 @dataclass(frozen=True)
@@ -99,24 +100,42 @@ TYPES: dict[int, GGMLType] = {
     )
 }
 
-# Known to GGML but not dequantized here: named in errors so the user knows what the file holds.
-_UNSUPPORTED_NAMES = {
-    9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
-    22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0",
+# Every type a GGUF may hold (ggml.h's enum ggml_type, ggml's block sizes): sizes only, so a
+# file of any quantization opens, its tensors' bytes are bounds-checked and `model info` counts
+# them; TYPES above is the subset this module can dequantize.
+ALL_TYPES: dict[int, GGMLType] = {
+    **{
+        i: GGMLType(i, name, elems, nbytes, None)
+        for i, name, elems, nbytes in (
+            (9, "Q8_1", 32, 36), (10, "Q2_K", 256, 84), (11, "Q3_K", 256, 110),
+            (12, "Q4_K", 256, 144), (13, "Q5_K", 256, 176), (14, "Q6_K", 256, 210),
+            (15, "Q8_K", 256, 292), (16, "IQ2_XXS", 256, 66), (17, "IQ2_XS", 256, 74),
+            (18, "IQ3_XXS", 256, 98), (19, "IQ1_S", 256, 50), (20, "IQ4_NL", 32, 18),
+            (21, "IQ3_S", 256, 110), (22, "IQ2_S", 256, 82), (23, "IQ4_XS", 256, 136),
+            (24, "I8", 1, 1), (25, "I16", 1, 2), (26, "I32", 1, 4), (27, "I64", 1, 8),
+            (28, "F64", 1, 8), (29, "IQ1_M", 256, 56), (34, "TQ1_0", 256, 54),
+            (35, "TQ2_0", 256, 66), (39, "MXFP4", 32, 17), (40, "NVFP4", 64, 36),
+            (41, "Q1_0", 128, 18), (42, "Q2_0", 64, 18),
+        )
+    },
+    **TYPES,
 }
 
 
 def type_by_id(type_id: int) -> GGMLType | None:
+    """The type if this module can dequantize it, else None (see `type_info` for sizes)."""
     return TYPES.get(type_id)
 
 
+def type_info(type_id: int) -> GGMLType | None:
+    """Name and block size of any GGML type (kernel None where not dequantized), None if the
+    id is not a GGML type."""
+    return ALL_TYPES.get(type_id)
+
+
 def type_name(type_id: int) -> str:
-    t = TYPES.get(type_id)
-    if t is not None:
-        return t.name
-    return _UNSUPPORTED_NAMES.get(type_id, f"unknown type {type_id}")
+    t = ALL_TYPES.get(type_id)
+    return t.name if t is not None else f"unknown type {type_id}"
 
 
 def tensor_nbytes(ggml_type: GGMLType, n_elements: int) -> int:
