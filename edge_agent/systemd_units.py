@@ -10,6 +10,10 @@ Invariants owned here:
 - ProtectControlGroups= stays off: Delegate=yes hands the daemon a cgroup subtree to write.
 - RuntimeDirectoryPreserve=yes: the socket unit's listening socket lives in /run/edge-agent and
   must survive a service restart.
+- Network: with server.tcp off (UnitOptions.tcp False) the service has no network at all
+  (PrivateNetwork=yes, AF_UNIX only); with it on, AF_INET/AF_INET6 to localhost only
+  (IPAddressDeny=any, IPAddressAllow=localhost). SystemCallFilter=@system-service and
+  MemoryDenyWriteExecute=yes hold for both engines (checked under strace and PR_SET_MDWE).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class UnitOptions:
     watchdog_sec: int = 30
     timeout_start_sec: int = 300
     timeout_stop_sec: int = 60
+    # server.tcp is configured: AF_INET/AF_INET6 allowed, IP traffic to localhost only.
+    # Off (the default): Unix sockets only, no network namespace access at all.
+    tcp: bool = False
 
 
 _SERVICE = """\
@@ -86,9 +93,10 @@ RuntimeDirectory=edge-agent
 RuntimeDirectoryMode=0755
 RuntimeDirectoryPreserve=yes
 ConfigurationDirectory=edge-agent
-UMask=0007
-# Hardening. No ProtectControlGroups= (the delegated subtree is written) and no PrivateDevices=
-# (the UART is a device).
+UMask=0027
+# Hardening. No ProtectControlGroups= (the delegated subtree is written), no PrivateDevices=
+# (the UART is a device), no ProcSubset=pid (/proc/pressure/memory is watched), no
+# PrivateUsers= (CAP_IPC_LOCK must count in the host's user namespace for mlock).
 # CAP_IPC_LOCK: mlock the model weights without root.
 # CAP_SYS_RESOURCE: Linux < 6.5 lets a process open memory.pressure for writing (arm a PSI
 # trigger) only with it. The daemon drops it right after arming (armed triggers keep working),
@@ -109,11 +117,32 @@ RestrictNamespaces=yes
 RestrictRealtime=yes
 RestrictSUIDSGID=yes
 LockPersonality=yes
-RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
-SystemCallArchitectures=native
+ProtectProc=invisible
+PrivateMounts=yes
+# Every system call the daemon and its runners make (numpy and llama.cpp engines, mlock, PSI
+# triggers, cgroup delegation, serial ports) is in @system-service; anything else fails EPERM.
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+# Neither numpy/OpenBLAS nor llama.cpp generate code at run time (no W+X mapping).
+MemoryDenyWriteExecute=yes
+{network}SystemCallArchitectures=native
 
 [Install]
 WantedBy=multi-user.target
+"""
+
+_NETWORK_UNIX = """\
+# server.tcp is off: Unix sockets only (re-run `edge-agent systemd install` after setting it).
+PrivateNetwork=yes
+IPAddressDeny=any
+RestrictAddressFamilies=AF_UNIX
+"""
+
+_NETWORK_TCP = """\
+# server.tcp is set: loopback TCP, nothing else.
+IPAddressDeny=any
+IPAddressAllow=localhost
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
 """
 
 _SOCKET = """\
@@ -164,6 +193,7 @@ def render_units(options: UnitOptions | None = None) -> dict[str, str]:
         "timeout_start_sec": opts.timeout_start_sec,
         "timeout_stop_sec": opts.timeout_stop_sec,
         "socket_path": SOCKET_PATH,
+        "network": _NETWORK_TCP if opts.tcp else _NETWORK_UNIX,
     }
     return {
         "edge-agent.service": _SERVICE.format(**values),

@@ -262,3 +262,26 @@ def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
     with j.transaction(), pytest.raises(JournalError, match="already open"), j.transaction():
         pass
     j.close()
+
+
+def test_journal_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    """0600 at creation (SQLite gives -wal and -shm the main file's mode), also for the fresh
+    file after a quarantine; an existing file readable by others loses that."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "j.sqlite3"
+        store = JournalStore(open_journal(path))
+        store.add_request(id="a", model="m", input={}, prompt_ids=[1], params={})
+        for p in (path, tmp_path / "j.sqlite3-wal", tmp_path / "j.sqlite3-shm"):
+            assert p.stat().st_mode & 0o777 == 0o600, p
+        store.close()
+        os.chmod(path, 0o644)
+        open_journal(path).close()
+        assert path.stat().st_mode & 0o777 == 0o640  # other bits gone, group kept
+        bad = tmp_path / "bad.sqlite3"
+        bad.write_bytes(b"not a database at all" * 100)
+        j = open_journal(bad)  # quarantined, a fresh file started
+        assert j.quarantined is not None and bad.stat().st_mode & 0o777 == 0o600
+        j.close()
+    finally:
+        os.umask(old)

@@ -562,3 +562,39 @@ def test_scheduler_package_stays_in_its_room() -> None:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
                 if name.startswith("edge_agent."):
                     assert name.startswith(("edge_agent.scheduler", "edge_agent.errors")), name
+
+
+def test_retry_after_is_whole_seconds_the_message_agrees_with() -> None:
+    """Retry-After is the ceiling of the rate estimate and the message says the same number
+    (it said 8 s while the header said 9)."""
+    s = sched(queue_max=2)
+    for i in range(2):
+        s.submit(job(f"j{i}"), 0.0)
+    s.take("m", 8, 0.0)
+    s.finish("j0", 1.0, JobState.DONE)
+    s.finish("j1", 9.4, JobState.DONE)  # one job per 8.4 s
+    for i in range(2, 4):
+        s.submit(job(f"j{i}"), 9.4)
+    with pytest.raises(QueueFull) as info:
+        s.submit(job("y"), 9.4)
+    assert info.value.retry_after_s == 9.0
+    assert "Hint: retry after 9 s" in str(info.value)
+
+
+def test_requeue_of_a_job_that_progresses_never_gives_up() -> None:
+    """max_retries bounds runner deaths in a row without a token; a job that produced one in
+    the attempt that ended starts counting again (a killed runner costs no request)."""
+    s = sched(max_retries=2, max_batch_size=1)
+    s.submit(job("a"), 0.0)
+    for attempt in range(1, 7):
+        assert ids(s.take("m", 1, float(attempt))) == ["a"]
+        (back,) = s.requeue(["a"], attempt + 0.5, progressed={"a"})
+        assert back.state is JobState.QUEUED and back.attempts == attempt and back.stalls == 0
+    for stall in (1, 2):
+        s.take("m", 1, 10.0 + stall)
+        (back,) = s.requeue(["a"], 10.5 + stall)
+        assert back.state is JobState.QUEUED and back.stalls == stall
+    s.take("m", 1, 20.0)
+    (dead,) = s.requeue(["a"], 20.5, reason="runner killed")
+    assert dead.state is JobState.FAILED and dead.error is not None
+    assert "3 time(s) in a row without it producing a token" in dead.error

@@ -14,7 +14,7 @@ import pytest
 from edge_agent import cli
 from edge_agent.commands.systemd import default_exec_start
 from edge_agent.errors import EXIT_ERROR, EXIT_USAGE
-from edge_agent.systemd_units import render_units
+from edge_agent.systemd_units import UnitOptions, render_units
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "systemd"
@@ -187,3 +187,49 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path: Path) -> None:
     state = (root / "var" / "lib" / "edge-agent").stat()
     assert state.st_uid == uid and state.st_mode & 0o777 == 0o750
     assert (root / "run" / "edge-agent").stat().st_uid == uid
+
+
+# ---- hardening (issue 18: systemd-analyze security <= 2.0) ----------------------------------
+def test_service_hardening_without_tcp() -> None:
+    d = directives(render_units()["edge-agent.service"])
+    for key, value in {"SystemCallFilter": "@system-service", "SystemCallErrorNumber": "EPERM",
+                       "ProtectProc": "invisible", "PrivateMounts": "yes",
+                       "MemoryDenyWriteExecute": "yes", "IPAddressDeny": "any",
+                       "PrivateNetwork": "yes", "RestrictAddressFamilies": "AF_UNIX",
+                       "UMask": "0027"}.items():
+        assert d.get(key) == [value], f"{key}: {d.get(key)}"
+    assert "IPAddressAllow" not in d
+    # /proc/pressure/memory is watched; CAP_IPC_LOCK must count in the host user namespace
+    assert "ProcSubset" not in d and "PrivateUsers" not in d
+
+
+def test_service_with_tcp_allows_loopback_only() -> None:
+    d = directives(render_units(UnitOptions(tcp=True))["edge-agent.service"])
+    assert d["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6"]
+    assert d["IPAddressDeny"] == ["any"] and d["IPAddressAllow"] == ["localhost"]
+    assert "PrivateNetwork" not in d
+    assert d["SystemCallFilter"] == ["@system-service"]
+
+
+def test_install_follows_server_tcp(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EDGE_AGENT_SERVER__TCP", "127.0.0.1:8080")
+    assert cli.main(["systemd", "install", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert directives(captured.out)["IPAddressAllow"] == ["localhost"]
+    assert "server.tcp = '127.0.0.1:8080' is configured" in captured.err
+    assert cli.main(["systemd", "install", "--dry-run", "--no-tcp"]) == 0
+    d = directives(capsys.readouterr().out)
+    assert d["RestrictAddressFamilies"] == ["AF_UNIX"] and "IPAddressAllow" not in d
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_systemd_analyze_security_score(tmp_path: Path, tcp: bool) -> None:
+    tool = need_tool("systemd-analyze")
+    unit = tmp_path / "edge-agent.service"
+    unit.write_text(render_units(UnitOptions(tcp=tcp))["edge-agent.service"])
+    result = subprocess.run([tool, "security", "--offline=yes", str(unit)],
+                            capture_output=True, text=True, timeout=120)
+    line = next(ln for ln in result.stdout.splitlines() if "Overall exposure level" in ln)
+    score = float(line.split(":")[1].split()[0])
+    assert score <= 2.0, result.stdout[-3000:]

@@ -87,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                       help="service user and group, created by sysusers (default: %(default)s)")
     inst.add_argument("--exec-start", metavar="CMD",
                       help="override ExecStart= (default: this Python with -m edge_agent serve)")
+    inst.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=None,
+                      help="allow loopback TCP (AF_INET, localhost only) for server.tcp; "
+                      "default: on when the configuration sets server.tcp, else Unix "
+                      "sockets only and no network (PrivateNetwork=yes)")
     inst.add_argument("--dry-run", action="store_true",
                       help="print the files to stdout instead of writing them")
     inst.set_defaults(func=run)
@@ -120,8 +124,20 @@ def _options(args: argparse.Namespace) -> UnitOptions:
             "ProtectHome=read-only instead of yes; the service user must be able to read it.",
             file=sys.stderr,
         )
+    tcp = args.tcp if args.tcp is not None else _tcp_configured()
     return UnitOptions(exec_start=exec_start, user=args.user, group=args.user,
-                       protect_home=protect_home)
+                       protect_home=protect_home, tcp=tcp)
+
+
+def _tcp_configured() -> bool:
+    """server.tcp from the layered configuration (/etc/edge-agent/config.toml, EDGE_AGENT_*)."""
+    from edge_agent.config import load_config
+
+    tcp = load_config(None, env=os.environ, check_paths=False).server.tcp
+    if tcp:
+        print(f"edge-agent: server.tcp = {tcp!r} is configured: the unit allows loopback TCP "
+              "(localhost only)", file=sys.stderr)
+    return bool(tcp)
 
 
 def _write(path: Path, text: str) -> None:

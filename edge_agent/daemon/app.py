@@ -85,6 +85,9 @@ class _Router(Router):
         reasons = self.d.degraded()
         body = json.loads(resp.body)
         body["degraded"] = reasons
+        for name, note in self.d.context_notes.items():
+            if isinstance(body.get("models", {}).get(name), dict):
+                body["models"][name]["context_note"] = note
         status = resp.status
         if reasons and body.get("status") == "serving":
             body["status"], status = "degraded", 503
@@ -117,6 +120,7 @@ class Daemon:
         self._last_extend = 0.0
         self.state_lock = StateDirLock(self.state_dir)
         self.fatal: str | None = None  # why the daemon takes itself down (serve() returns 1)
+        self.context_notes: dict[str, str] = {}  # model -> why its context was capped
         self._dead: dict[str, float] = {}  # core task -> when it is restarted (monotonic)
         self._deaths: dict[str, list[float]] = {}
         self.http = HttpServer(_Router(self).handle, max_body_bytes=config.server.max_body_bytes,
@@ -137,6 +141,8 @@ class Daemon:
             self.notifier.extend_timeout(EXTEND_USEC)
 
     def model_settled(self, svc: ModelService) -> None:
+        if svc.tokenizer is not None:
+            self._note_context(svc)  # a preloaded model's capped context, said at its load
         self._settled.set()
         self._settled = asyncio.Event()
         st = svc.lifecycle
@@ -226,7 +232,13 @@ class Daemon:
             raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
                            f"(registered: {', '.join(sorted(self.services))}). "
                            "Hint: GET /v1/models lists them; add a [models.NAME] table.")
-        tok = svc.ensure_tokenizer()
+        if req.session is not None and not req.chat:
+            raise ApiError(400, "invalid_request", f"field 'session': session "
+                           f"{req.session!r} is a conversation of chat messages; a plain "
+                           "prompt cannot continue it. Hint: send it to /v1/chat/completions "
+                           "(or POST /v1/requests) with \"messages\", or drop \"session\" and "
+                           "send the whole prompt.")
+        tok = self._tokenizer(svc)
         if req.session is not None:  # history + the new turn (daemon/sessions.py)
             prompt_ids = self.sessions.prompt_ids(req, name, tok)
         elif req.chat:
@@ -239,12 +251,19 @@ class Daemon:
         if not prompt_ids:
             raise ApiError(400, "invalid_request", f"field {field!r}: encodes to no tokens. "
                            "Hint: send some text.")
+        if len(prompt_ids) >= svc.context and req.session is not None:
+            sid = req.session
+            raise ApiError(400, "context_exceeded", f"field {field!r}: session {sid!r} has "
+                           f"outgrown the context: its history and this turn are "
+                           f"{len(prompt_ids)} tokens, the context of model {name!r} is "
+                           f"{svc.context}; the session's history is kept as it was. Hint: "
+                           f"reset it (DELETE /v1/sessions/{sid} forgets its history; then "
+                           "send this turn again, with whatever earlier context it needs) or "
+                           "continue under a new session id.")
         if len(prompt_ids) >= svc.context:
-            what = "" if req.session is None else f" (with the history of session {req.session!r})"
-            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens"
-                           f"{what} do not fit the context of {svc.context} tokens of model "
-                           f"{name!r}. Hint: shorten the prompt or raise the model's context"
-                           + ("; or start a new session." if req.session else "."))
+            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
+                           f"do not fit the context of {svc.context} tokens of model "
+                           f"{name!r}. Hint: shorten the prompt or raise the model's context.")
         now = time.monotonic()
         job = Job(
             id=f"req-{uuid.uuid4().hex[:20]}", model=name, prompt_ids=prompt_ids,
@@ -277,6 +296,40 @@ class Daemon:
         svc.poke()
         self._tick.set()
         return rec
+
+    def _tokenizer(self, svc: ModelService) -> Any:
+        """The model's tokenizer; a model file that cannot give one (a bad GGUF) marks the
+        model FAILED with the reason, as a load would, and is 503 `model_failed` naming it."""
+        try:
+            tok = svc.ensure_tokenizer()
+        except (EdgeAgentError, OSError, ValueError) as exc:
+            reason = str(exc) if isinstance(exc, EdgeAgentError) else (
+                f"model {svc.name!r}: reading {svc.entry.path or 'the model file'} failed: "
+                f"{type(exc).__name__}: {exc}. Hint: check the file (edge-agent model info).")
+            now = time.monotonic()
+            st = svc.lifecycle
+            if not st.resident and (st.state is not ModelState.FAILED or st.reason != reason):
+                st.start_load(now)  # a load attempt that failed at the model file
+                st.fail(now, reason)
+                self.journal.model_failed(svc.name, reason)
+                self.metrics.model_event(svc.name, "load_failed")
+                self.model_settled(svc)
+            raise ApiError(503, "model_failed", f"model {svc.name!r} cannot be used: {reason}"
+                           ) from exc
+        self._note_context(svc)
+        return tok
+
+    def _note_context(self, svc: ModelService) -> None:
+        """Say once (log, /health) when the configured context is above what the model was
+        trained for and was capped to it."""
+        wanted = int(svc.entry.context)
+        if svc.context < wanted and svc.name not in self.context_notes:
+            note = (f"models.{svc.name}.context = {wanted} is more than model {svc.name!r} was "
+                    f"trained for; capped to its context length of {svc.context} tokens (the "
+                    "GGUF's context_length). Hint: set context to at most "
+                    f"{svc.context} to silence this.")
+            self.context_notes[svc.name] = note
+            self.log(f"warning: {note}")
 
     def _prune(self) -> None:
         keep = self.scheduler.config.keep_finished

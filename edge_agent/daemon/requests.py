@@ -46,6 +46,7 @@ class RequestRecord:
         self.text = ""  # released text
         self.hold = max((len(s) for s in request.stop), default=1) - 1
         self.replay = 0  # generated-token index of the current attempt
+        self.attempt_start = 0  # len(tokens) when the current attempt began
         self.finish_reason: str | None = None
         self.error: tuple[int, str, str] | None = None  # (http status, code, message)
         self.extra: dict[str, Any] = {}
@@ -63,7 +64,7 @@ class RequestRecord:
     def restart(self) -> None:
         """A new attempt begins (after a requeue): it resumes at generation index len(tokens)
         (the runner prefills prompt + tokens)."""
-        self.replay = len(self.tokens)
+        self.replay = self.attempt_start = len(self.tokens)
 
     def push(self, token: int) -> bool:
         """Route one generated token; True when the request is complete."""

@@ -98,6 +98,7 @@ class Router:
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)"),
              {"GET": self.get_request, "DELETE": self.delete_request}),
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)/events"), {"GET": self.events}),
+            (re.compile(r"/v1/sessions/(?P<sid>[^/]+)"), {"DELETE": self.delete_session}),
             (re.compile(r"/v1/flash"), {"POST": self.flash_create}),
             (re.compile(r"/v1/flash/ports"), {"GET": self.flash_ports}),
             (re.compile(r"/v1/flash/(?P<fid>[^/]+)"), {"GET": self.flash_get}),
@@ -327,6 +328,9 @@ class Router:
         async for i, piece in rec.follow(start):
             yield sse_event({"index": i, "text": piece}, event="token", event_id=i)
         yield sse_event(rec.to_dict(time.monotonic()), event="end")
+
+    async def delete_session(self, req: Request, sid: str) -> Reply:
+        return _json(200, self.d.sessions.reset(sid))
 
     # -- flash jobs (daemon/flashing.py) ---------------------------------------------------------
     async def flash_create(self, req: Request) -> Reply:

@@ -8,8 +8,10 @@ Invariants owned here:
 - A sequence is released in the very next message after its job ends for any reason, so KV
   blocks are freed within one step of a cancel, a deadline or a disconnect.
 - A runner death (EOF on its socketpair) requeues every running job through
-  `Scheduler.requeue` (bounded retries; beyond -> FAILED, answered 503) and sets the model back
-  to UNLOADED; the loop reloads it at once when jobs wait. No request is left without an answer.
+  `Scheduler.requeue` and sets the model back to UNLOADED; the loop reloads it at once when
+  jobs wait. A job that produced a token in the attempt that ended is always requeued (a
+  killed runner costs no request that makes progress); `max_retries` bounds only the deaths in
+  a row without one (beyond -> FAILED, answered 503). No request is left without an answer.
 - Load failures fail the model's queued jobs (503 naming the reason) and leave the lifecycle in
   FAILED with that reason; the next request retries the load.
 - While the journal cannot be written (`DaemonJournal.writable` false) no step runs and no job
@@ -410,9 +412,14 @@ class ModelService:
         if oom:
             reason = f"runner (pid {pid}) was {oom}"
         ids = list(self.active)
+        # a request that produced a token in this attempt is making progress: its runner's
+        # death costs it nothing (max_retries bounds only deaths in a row without progress)
+        progressed = {jid for jid, rec in self.active.items()
+                      if len(rec.tokens) > rec.attempt_start}
         self.active.clear()
         self.to_release = []
-        for job in self.daemon.scheduler.requeue(ids, now, reason=reason):
+        for job in self.daemon.scheduler.requeue(ids, now, reason=reason,
+                                                 progressed=progressed):
             rec = self.daemon.records.get(job.id)
             if rec is None:
                 continue

@@ -20,6 +20,7 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.journal import JournalError
@@ -78,6 +79,33 @@ class Sessions:
         else:
             new = list(tok.encode(req.prompt or ""))
         return hist + new
+
+    def reset(self, sid: str) -> dict[str, Any]:
+        """Forget a session's history (DELETE /v1/sessions/{id}): the way out of a session
+        that outgrew its model's context. 409 while a turn is open, 404 when unknown."""
+        if sid in self.busy:
+            raise ApiError(409, "session_busy", f"session {sid!r} has request "
+                           f"{self.busy[sid]} still open. Hint: wait for it (GET "
+                           f"/v1/requests/{self.busy[sid]}) or cancel it, then reset.")
+        store = self.daemon.journal.store
+        if store is not None:
+            self.daemon.journal.check_admission()  # 507 while the journal cannot be written
+            s = store.get_session(sid)
+            found = None if s is None else (s.model, len(s.history))
+            if found is not None:
+                try:
+                    store.delete_session(sid)
+                except (JournalError, sqlite3.Error) as exc:
+                    raise ApiError(503, "journal_failed", f"session {sid!r}: could not be "
+                                   f"reset: {exc}", headers=[("retry-after", "5")]) from exc
+        else:
+            mem = self._memory.pop(sid, None)
+            found = None if mem is None else (mem[0], len(mem[1]))
+        if found is None:
+            raise ApiError(404, "session_not_found", f"no session {sid!r} (never used, already "
+                           "reset, or forgotten after journal.session_max_age_s). Hint: a new "
+                           "turn with this id starts it afresh.")
+        return {"id": sid, "model": found[0], "forgotten_tokens": found[1], "reset": True}
 
     def claim(self, sid: str, rid: str) -> None:
         self.busy[sid] = rid

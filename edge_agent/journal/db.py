@@ -216,6 +216,24 @@ def _open_readonly(path: Path, connect: Connect | None, t0: float) -> Journal:
                    schema_version=version)
 
 
+def _private(path: Path) -> None:
+    """Create the journal file 0600 before SQLite does (SQLite gives its -wal and -shm the
+    main file's mode), so requests and tokens are not readable by other users whatever the
+    umask; an existing file, -wal or -shm loses any permission for others (group bits an
+    administrator set stay)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # SQLite's own open reports it, with the journal's wording
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(OSError):
+            mode = os.stat(p).st_mode & 0o7777
+            if mode & 0o007:
+                os.chmod(p, mode & ~0o007)
+
+
 def open_journal(
     path: str | os.PathLike[str],
     *,
@@ -264,6 +282,7 @@ def open_journal(
     with contextlib.suppress(OSError):
         os.link(wal, kept)
     while True:
+        _private(path)  # 0600 whatever the umask (also the fresh file after a quarantine)
         conn = (connect or _default_connect)(str(path))
         try:
             fresh = conn.execute("PRAGMA page_count").fetchone()[0] == 0

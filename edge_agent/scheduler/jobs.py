@@ -5,7 +5,9 @@ Invariants owned here:
   QUEUED -> (FAILED | CANCELLED | EXPIRED), or RUNNING -> QUEUED (requeue after a runner death).
   Terminal states are final; `Scheduler` (queue.py) is the only code that moves them.
 - `priority` is an int in [MIN_PRIORITY, MAX_PRIORITY]; higher runs first.
-- `attempts` counts how many times the job was started; `ran_s` accumulates the time it spent
+- `attempts` counts how many times the job was started; `stalls` how many runner deaths in a
+  row it lived through without producing a token (what `max_retries` bounds); `ran_s`
+  accumulates the time it spent
   running in earlier, interrupted attempts. `started_at` is set only while the job is (or last
   was, if it ended while running) running: a job returned by `cancel`/`expire` with
   `started_at is not None` held a runner slot that the caller must release.
@@ -74,6 +76,7 @@ class Job:
     finished_at: float | None = None
     queued_at: float | None = None  # when it last entered the queue (submit or requeue)
     ran_s: float = 0.0  # running time of earlier attempts cut short by a runner death
+    stalls: int = 0  # runner deaths in a row during which the job produced no token
     seq: int = field(default=-1, repr=False)  # submission order, assigned by submit()
 
     @property

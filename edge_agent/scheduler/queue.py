@@ -28,8 +28,9 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from edge_agent.scheduler.errors import JobError, QueueFull, UnknownJob
 from edge_agent.scheduler.jobs import (
@@ -214,25 +215,31 @@ class Scheduler:
         return due
 
     def requeue(
-        self, job_ids: Iterable[str], now: float, reason: str = "runner exited"
+        self, job_ids: Iterable[str], now: float, reason: str = "runner exited",
+        progressed: Collection[str] = (),
     ) -> list[Job]:
-        """Put running jobs back in the queue after their runner died, keeping their place;
-        a job already started `max_retries + 1` times -> FAILED instead. Returns every job it
-        changed (check `.state`); ids unknown or not running are skipped."""
+        """Put running jobs back in the queue after their runner died, keeping their place.
+        A job in `progressed` produced a token in the attempt that ended: its stall count
+        starts again, so a runner killed any number of times costs no request that makes
+        progress. A job whose runner died `max_retries + 1` times in a row without it producing
+        a token (a request that kills its runner, e.g. in prefill) -> FAILED instead. Returns
+        every job it changed (check `.state`); ids unknown or not running are skipped."""
         changed: list[Job] = []
         for job_id in job_ids:
             job = self._live.get(job_id)
             if job is None or job.state is not JobState.RUNNING:
                 continue
-            if job.attempts > self.config.max_retries:
+            job.stalls = 0 if job_id in progressed else job.stalls + 1
+            if job.stalls > self.config.max_retries:
                 self._end(
                     job,
                     now,
                     JobState.FAILED,
                     f"model {job.model!r}: {reason} while running this request, "
-                    f"{job.attempts} time(s); giving up after max_retries="
-                    f"{self.config.max_retries}. Hint: check the runner's log and memory limit "
-                    "(memory.events), then resubmit.",
+                    f"{job.stalls} time(s) in a row without it producing a token; giving up "
+                    f"after max_retries={self.config.max_retries}. Hint: check the runner's "
+                    "log and memory limit (memory.events), then resubmit (a shorter prompt "
+                    "or a lower max_batch needs less memory).",
                 )
             else:
                 assert job.started_at is not None
@@ -313,12 +320,13 @@ class Scheduler:
                 self._finished.popitem(last=False)
 
     def _retry_after_s(self) -> float:
-        """Seconds until one slot is likely free, from the recent rate of finishing jobs."""
+        """Whole seconds (rounded up) until one slot is likely free, from the recent rate of
+        finishing jobs: the Retry-After header and the message say the same number."""
         times = self._finish_times
         if len(times) < 2 or times[-1] <= times[0]:
             return 1.0
         per_job = (times[-1] - times[0]) / (len(times) - 1)
-        return min(_MAX_RETRY_AFTER_S, max(1.0, per_job))
+        return float(math.ceil(min(_MAX_RETRY_AFTER_S, max(1.0, per_job)) - 1e-9))
 
     def _require(self, job_id: str) -> Job:
         job = self.get(job_id)
