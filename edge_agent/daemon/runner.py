@@ -1,8 +1,10 @@
 """The runner child process: `python -m edge_agent.daemon.runner --fd N --model PATH ...`.
 
-One runner serves one model. It loads the Engine (prepared weights pinned in this process, KV
-block pool for max_batch x context), runs a warm-up forward, says `ready`, then executes the
-steps the control plane sends over the inherited socketpair (ipc.py framing) until EOF.
+One runner serves one model on one engine (`runtime/engines.py`: llamacpp or numpy). It loads
+the model (weights pinned in this process by the mlock policy, KV cache for max_batch x
+context), runs a warm-up forward, says `ready`, then executes the steps the control plane sends
+over the inherited socketpair (ipc.py framing) until EOF. It talks to the engine only through
+the `EngineLike` interface.
 
 Invariants owned here:
 - The runner is stateless towards the outside: it decides nothing. Each `step` message is
@@ -30,6 +32,7 @@ from typing import Any
 
 from edge_agent.daemon.ipc import recv_frame, send_frame
 from edge_agent.errors import EdgeAgentError
+from edge_agent.runtime.engines import EngineLike, load_engine
 
 __all__ = ["main", "WARMUP_ID"]
 
@@ -47,16 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mlock", default="best-effort")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="0: the cores this runner may use")
+    p.add_argument("--engine", default="auto", help="auto, llamacpp or numpy")
     return p
-
-
-def _lock_report(engine: Any) -> dict[str, Any] | None:
-    for holder in (engine, getattr(engine, "weights", None)):
-        lock = getattr(holder, "lock", None)
-        if lock is not None and hasattr(lock, "as_dict"):
-            return dict(lock.as_dict())
-    return None
 
 
 def _params(d: dict[str, Any]) -> Any:
@@ -68,7 +64,7 @@ def _params(d: dict[str, Any]) -> Any:
     return SamplingParams(**kw)
 
 
-def _step(engine: Any, msg: dict[str, Any]) -> dict[str, Any]:
+def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     for sid in msg.get("release", ()):
         try:
@@ -97,13 +93,10 @@ def _step(engine: Any, msg: dict[str, Any]) -> dict[str, Any]:
             for sid in step_ids:
                 errors[sid] = str(exc)
     return {"op": "result", "tokens": tokens, "errors": errors,
-            "free_blocks": int(getattr(engine, "free_blocks", -1)),
-            "step_s": time.perf_counter() - t0}
+            "free_blocks": engine.free_blocks, "step_s": time.perf_counter() - t0}
 
 
 def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
-    from edge_agent.runtime.engine import Engine
-
     t0 = time.monotonic()
     last = [0.0]
 
@@ -116,9 +109,10 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
 
     send_frame(sock, {"op": "status", "state": "loading", "pid": os.getpid()})
     try:
-        engine = Engine.load(Path(args.model), state_dir=Path(args.state_dir), dtype=args.dtype,
-                             mlock=args.mlock, max_batch=args.max_batch, context=args.context,
-                             threads=args.threads, progress=progress)
+        engine = load_engine(args.engine, Path(args.model), state_dir=Path(args.state_dir),
+                             dtype=args.dtype, mlock=args.mlock, max_batch=args.max_batch,
+                             context=args.context, threads=args.threads or None,
+                             progress=progress)
     except EdgeAgentError as exc:
         send_frame(sock, {"op": "failed", "error": str(exc)})
         return 1
@@ -126,21 +120,18 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
     send_frame(sock, {"op": "status", "state": "warming"})
     t1 = time.monotonic()
     try:
-        engine.add(WARMUP_ID, [int(getattr(getattr(engine, "tokenizer", None), "bos_id", 1))],
-                   _params({"max_tokens": 2}))
+        engine.add(WARMUP_ID, engine.warmup_ids(), _params({"max_tokens": 2}))
         engine.step([WARMUP_ID])
         engine.release(WARMUP_ID)
+        invariant = engine.batch_invariance(engine.warmup_ids())
     except EdgeAgentError as exc:
         send_frame(sock, {"op": "failed", "error": f"warm-up forward failed: {exc}"})
         return 1
-    info = getattr(getattr(engine, "weights", None), "info", None)  # the prepared file's header
     send_frame(sock, {"op": "ready", "pid": os.getpid(), "load_s": load_s,
-                      "prepared": None if info is None else str(info.path),
-                      "source_sha256": getattr(info, "source_sha256", None),
-                      "warm_s": time.monotonic() - t1, "lock": _lock_report(engine),
-                      "stop_ids": sorted(int(i) for i in getattr(engine, "stop_ids", ())),
-                      "context": int(getattr(engine, "context", args.context)),
-                      "free_blocks": int(getattr(engine, "free_blocks", -1))})
+                      "warm_s": time.monotonic() - t1, "lock": engine.lock_report(),
+                      "stop_ids": sorted(int(i) for i in engine.stop_ids),
+                      "context": engine.context, "free_blocks": engine.free_blocks,
+                      "engine": engine.describe(), "batch_invariant": invariant})
     while True:
         try:
             msg = recv_frame(sock)
@@ -150,8 +141,7 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         if op == "step":
             send_frame(sock, _step(engine, msg))
         elif op == "ping":
-            send_frame(sock, {"op": "pong", "free_blocks": int(getattr(engine, "free_blocks",
-                                                                       -1))})
+            send_frame(sock, {"op": "pong", "free_blocks": engine.free_blocks})
         elif op == "shutdown":
             return 0
         else:

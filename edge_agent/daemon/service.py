@@ -69,6 +69,9 @@ class ModelService:
         self.load_requested = bool(entry.preload)
         self.unload_requested = False
         self.tokenizer: Any = None
+        self.engine: str | None = None  # resolved with the tokenizer: "llamacpp" or "numpy"
+        self.engine_info: dict[str, Any] | None = None  # the runner's describe() of its load
+        self.batch_invariant: bool | None = None  # measured by the runner at warm-up
         self.tokenizer_from: str | None = None  # "journal" (warm cache) or "gguf" (built)
         self.tokenizer_s: float | None = None
         self.stop_ids: frozenset[int] = frozenset()
@@ -89,32 +92,55 @@ class ModelService:
     def ensure_tokenizer(self) -> Any:
         """Tokenizer and memory budget from the GGUF metadata (read once, no weights)."""
         if self.tokenizer is None:
-            from edge_agent.runtime.gguf import GGUFFile
-            from edge_agent.runtime.model import ModelConfig
-            from edge_agent.runtime.prepare import prepared_size
-            from edge_agent.runtime.tokenizer import Tokenizer
+            from edge_agent.runtime.engines import resolve_engine
 
-            g = GGUFFile(self.path())
-            meta = g.metadata
-            cfg = ModelConfig.from_metadata(meta, source=str(self.path()))
-            self.context = min(self.context, cfg.context_length)
-            dtype = self.daemon.config.runtime.dtype
-            # the runner process itself counts too: planning and the cgroup's memory.high /
-            # memory.max (policy factors of this budget) must leave it room to even load
-            self.budget_bytes = model_budget_bytes(
-                prepared_size(g, dtype), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                self.max_batch, self.context, overhead_bytes=RUNNER_BASE_BYTES,
-            )
-            # warm start: the tokenizer from the journal's cache when this file is known there
+            self.engine = resolve_engine(self.daemon.config.runtime.engine)
             t0 = time.perf_counter()
-            tok = self.daemon.journal.cached_tokenizer(self.name, self.path())
-            self.tokenizer_from = "journal" if tok is not None else "gguf"
-            if tok is None:
-                tok = Tokenizer.from_metadata(meta, source=str(self.path()))
+            if self.engine == "llamacpp":
+                tok = self._llamacpp_tokenizer()
+            else:
+                tok = self._numpy_tokenizer()
             self.tokenizer_s = time.perf_counter() - t0
             self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})
             self.tokenizer = tok
         return self.tokenizer
+
+    def _llamacpp_tokenizer(self) -> Any:
+        """The model's own vocabulary (a vocab-only llama.cpp load); the budget from the
+        GGUF's dimensions: weights as stored, KV cache as llama.cpp sizes it, buffers."""
+        from edge_agent.runtime.engines import llamacpp_budget_bytes, model_facts, open_tokenizer
+
+        facts = model_facts(self.path())
+        if facts.context_length:
+            self.context = min(self.context, facts.context_length)
+        self.budget_bytes = llamacpp_budget_bytes(facts, self.max_batch, self.context,
+                                                  overhead_bytes=RUNNER_BASE_BYTES)
+        self.tokenizer_from = "gguf"
+        return open_tokenizer("llamacpp", self.path())
+
+    def _numpy_tokenizer(self) -> Any:
+        from edge_agent.runtime.gguf import GGUFFile
+        from edge_agent.runtime.model import ModelConfig
+        from edge_agent.runtime.prepare import prepared_size
+        from edge_agent.runtime.tokenizer import Tokenizer
+
+        g = GGUFFile(self.path())
+        meta = g.metadata
+        cfg = ModelConfig.from_metadata(meta, source=str(self.path()))
+        self.context = min(self.context, cfg.context_length)
+        dtype = self.daemon.config.runtime.dtype
+        # the runner process itself counts too: planning and the cgroup's memory.high /
+        # memory.max (policy factors of this budget) must leave it room to even load
+        self.budget_bytes = model_budget_bytes(
+            prepared_size(g, dtype), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+            self.max_batch, self.context, overhead_bytes=RUNNER_BASE_BYTES,
+        )
+        # warm start: the tokenizer from the journal's cache when this file is known there
+        tok = self.daemon.journal.cached_tokenizer(self.name, self.path())
+        self.tokenizer_from = "journal" if tok is not None else "gguf"
+        if tok is None:
+            tok = Tokenizer.from_metadata(meta, source=str(self.path()))
+        return tok
 
     def poke(self) -> None:
         self.wake.set()
@@ -142,6 +168,11 @@ class ModelService:
     def to_dict(self) -> dict[str, Any]:
         d = self.lifecycle.to_dict()
         d.update({
+            "engine": self.engine or self.daemon.config.runtime.engine,
+            "engine_info": self.engine_info,
+            # false: this model's tokens may depend on what shares its batch (the runner
+            # measured its kernels at warm-up); journaled tokens never change either way
+            "batch_invariant": self.batch_invariant,
             "runner_pid": self.runner.pid if self.runner and not self.runner.gone.is_set()
             else None,
             "active": len(self.active), "queued": self.daemon.scheduler.queued(self.name),
@@ -277,8 +308,11 @@ class ModelService:
     # -- load / unload / loss --------------------------------------------------------------------
     def _runner_args(self) -> list[str]:
         rt = self.daemon.config.runtime
-        threads = rt.threads or 1
+        # auto: llama.cpp uses the cores the runner may use (it decides, inside its cgroup);
+        # the numpy engine one BLAS thread (two collapsed 3-4x on a shared 2-core machine)
+        threads = rt.threads or (0 if self.engine == "llamacpp" else 1)
         return ["--name", self.name, "--model", str(self.path()),
+                "--engine", self.engine or rt.engine,
                 "--state-dir", str(self.daemon.state_dir), "--dtype", rt.dtype,
                 "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
                 "--context", str(self.context), "--threads", str(threads)]
@@ -381,6 +415,8 @@ class ModelService:
         if self.lifecycle.state is ModelState.LOADING:
             self.lifecycle.start_warmup(now)
         self.lock = ready.get("lock")
+        self.engine_info = ready.get("engine")
+        self.batch_invariant = ready.get("batch_invariant")
         self.free_blocks = self.total_blocks = ready.get("free_blocks")
         self.context = int(ready.get("context", self.context))
         if ready.get("stop_ids"):

@@ -5,8 +5,9 @@ the earlier turns), so a chat continues, after a restart too, without the client
 
 Invariants owned here:
 - A session's history is what the model has seen, token for token: each finished turn's prompt
-  ids, its generated tokens and, for chat, the turn end (`<|im_end|>` + newline). Turn N+1's
-  prompt is history + the ids of the new messages only (no second default system prompt).
+  ids, its generated tokens and, for chat, the template's turn end (`<|im_end|>` + newline for
+  ChatML, `<end_of_turn>` + newline for Gemma). Turn N+1's prompt is history + the ids of the
+  new messages only (no second BOS or default system prompt).
 - At most one request per session is open at a time (another is refused with 409
   `session_busy`), so the history only grows by whole finished turns; a turn that fails or is
   cancelled leaves the history as it was.
@@ -34,13 +35,19 @@ __all__ = ["Sessions", "continuation_ids"]
 
 
 def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The chat-template ids of `messages` as a later turn: no default system prompt (the
-    history already starts with it), the generation prompt at the end."""
-    head = [{"role": "system", "content": ""}]  # suppresses the default system prompt
-    skip = tok.apply_chat_template(head, add_generation_prompt=False)
-    full = tok.apply_chat_template(head + messages)
-    assert full[: len(skip)] == skip
-    return list(full[len(skip):])
+    """The chat-template ids of `messages` as a later turn of a conversation: what the template
+    appends after an earlier exchange (no second BOS or default system prompt), the generation
+    prompt at the end. Works for any template that renders a longer conversation as an
+    extension of a shorter one (ChatML, Gemma, Llama 3, Phi-3, ...)."""
+    earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    skip = list(tok.apply_chat_template(earlier, add_generation_prompt=False))
+    full = list(tok.apply_chat_template(earlier + messages))
+    if full[: len(skip)] != skip:
+        raise ApiError(400, "session_template", "field 'session': this model's chat template "
+                       "does not render a later turn as an extension of the conversation, so "
+                       "its history cannot be continued token for token. Hint: send the whole "
+                       "conversation in `messages` without `session`.")
+    return full[len(skip):]
 
 
 class Sessions:
@@ -135,8 +142,4 @@ class Sessions:
             self.daemon.log(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
 
     def _turn_end(self, model: str) -> list[int]:
-        tok = self.daemon.services[model].ensure_tokenizer()
-        template = tok.chat_template
-        if template is None:
-            return []
-        return [template.im_end_id, *tok.encode("\n")]
+        return list(self.daemon.services[model].ensure_tokenizer().turn_end_ids())

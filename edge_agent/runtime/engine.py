@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
     from edge_agent.runtime.weights import PinnedWeights
 
-__all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "greedy_ids"]
+__all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "greedy_ids",
+           "stream_text"]
 
 # One BLAS thread: on a shared 2-core board, 2 threads collapsed 3-4x under contention
 # (docs/benchmarks.md); batching, not threads, is where the throughput comes from.
@@ -72,6 +73,8 @@ class _Seq:
 
 class Engine:
     """A loaded model ready to serve up to `max_batch` sequences of up to `context` tokens."""
+
+    name = "numpy"
 
     def __init__(
         self,
@@ -155,6 +158,30 @@ class Engine:
         self.close()
 
     # -- state ----------------------------------------------------------------------------
+
+    def lock_report(self) -> dict[str, Any] | None:
+        """How the prepared weights are pinned (policy, locked, VmLck, error)."""
+        return None if self.weights is None else dict(self.weights.lock.as_dict())
+
+    def warmup_ids(self) -> list[int]:
+        """A one-token prompt for the warm-up forward."""
+        return [1 if self.tokenizer is None else int(self.tokenizer.bos_id)]
+
+    def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
+        """True: this engine computes each sequence's rows with the same BLAS calls whatever
+        shares the step (per-sequence attention, row-independent matrix products; proven by
+        tests/test_engine.py's batch tests against the same requests alone)."""
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        info = None if self.weights is None else self.weights.info  # the prepared file
+        return {"engine": self.name, "prepared": None if info is None else str(info.path),
+                "source_sha256": None if info is None else info.source_sha256,
+                "architecture": "llama",
+                "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
+                "layers": c.n_layers, "vocab_size": c.vocab_size}
+
 
     @property
     def free_blocks(self) -> int:
@@ -348,37 +375,43 @@ class Engine:
         *,
         on_token: Callable[[int], None] | None = None,
     ) -> Iterator[str]:
-        """Text pieces of one completion, whole UTF-8 characters only, cut before the first
-        of params.stop (text held back only as long as it could still start a stop string).
-        `on_token(id)` sees every generated token id."""
+        """Text pieces of one completion (see `stream_text`)."""
         if self.tokenizer is None:
             raise EngineError("engine: stream_text needs a tokenizer. Hint: use Engine.load().")
-        from edge_agent.runtime.tokenizer import IncrementalDecoder
+        return stream_text(self.tokenizer, self.generate(prompt_ids, params), params.stop,
+                           on_token=on_token)
 
-        decoder = IncrementalDecoder(self.tokenizer)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        pending = ""
-        tokens = self.generate(prompt_ids, params)
-        try:
-            for token in tokens:
-                if on_token is not None:
-                    on_token(token)
-                pending += decoder.push(token)
-                cut = _find_stop(pending, params.stop)
-                if cut is not None:
-                    if pending[:cut]:
-                        yield pending[:cut]
-                    return
-                if len(pending) > hold:
-                    yield pending[: len(pending) - hold]
-                    pending = pending[len(pending) - hold :]
-            pending += decoder.flush()
-            cut = _find_stop(pending, params.stop)
-            pending = pending if cut is None else pending[:cut]
-            if pending:
-                yield pending
-        finally:
-            tokens.close()
+
+def stream_text(tokenizer: Any, tokens: Generator[int, None, None], stop: tuple[str, ...], *,
+                on_token: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Text pieces of a token stream, whole UTF-8 characters only, cut before the first of
+    `stop` (text held back only as long as it could still start a stop string). `on_token(id)`
+    sees every generated token id. Closing the pieces closes `tokens`."""
+    from edge_agent.runtime.tokenizer import IncrementalDecoder
+
+    decoder = IncrementalDecoder(tokenizer)
+    hold = max((len(s) for s in stop), default=1) - 1
+    pending = ""
+    try:
+        for token in tokens:
+            if on_token is not None:
+                on_token(token)
+            pending += decoder.push(token)
+            cut = _find_stop(pending, stop)
+            if cut is not None:
+                if pending[:cut]:
+                    yield pending[:cut]
+                return
+            if len(pending) > hold:
+                yield pending[: len(pending) - hold]
+                pending = pending[len(pending) - hold :]
+        pending += decoder.flush()
+        cut = _find_stop(pending, stop)
+        pending = pending if cut is None else pending[:cut]
+        if pending:
+            yield pending
+    finally:
+        tokens.close()
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

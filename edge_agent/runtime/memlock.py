@@ -19,6 +19,7 @@ import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "MLOCK_POLICIES",
@@ -133,6 +134,21 @@ def memlock_env(status: Path = Path("/proc/self/status")) -> MemlockEnv:
         return None if v == resource.RLIM_INFINITY else int(v)
 
     return MemlockEnv(norm(soft), norm(hard), _has_cap(CAP_IPC_LOCK, status))
+
+
+def lock_summary(report: dict[str, Any]) -> str:
+    """One line of a weights lock report (either engine's `lock_report()`)."""
+    mb = format_bytes
+    vm = "unknown" if report.get("vmlck_bytes") is None else mb(int(report["vmlck_bytes"]))
+    if report.get("locked"):
+        state = f"locked {mb(int(report.get('locked_bytes') or 0))}"
+    elif report.get("policy") == "off":
+        state = "not locked (mlock policy off)"
+    else:
+        state = "NOT LOCKED"
+    return (f"weights {mb(int(report.get('weight_bytes') or 0))}: {state}, VmLck {vm}; "
+            f"populate {float(report.get('populate_s') or 0) * 1e3:.1f} ms, "
+            f"mlock {float(report.get('lock_s') or 0) * 1e3:.1f} ms")
 
 
 def format_bytes(n: int) -> str:

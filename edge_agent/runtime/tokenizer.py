@@ -297,6 +297,14 @@ class Tokenizer:
 
     # -- serialization --------------------------------------------------------------------
 
+    def turn_end_ids(self) -> list[int]:
+        """What the template writes after an assistant's reply (`<|im_end|>` + newline);
+        [] without a template."""
+        template = self.chat_template
+        if template is None:
+            return []
+        return [template.im_end_id, *self.encode("\n")]
+
     def _payload(self) -> tuple[dict[str, Any], bytes]:
         """Layout facts (for the header) and the bytes of tokens, types and merge pairs."""
         lefts, rights = (list(side) for side in zip(*self._pairs, strict=True))

@@ -58,16 +58,7 @@ class LockReport:
     env: MemlockEnv = field(default_factory=memlock.memlock_env)
 
     def summary(self) -> str:
-        mb = memlock.format_bytes
-        vm = "unknown" if self.vmlck_bytes is None else mb(self.vmlck_bytes)
-        if self.locked:
-            state = f"locked {mb(self.locked_bytes)}"
-        elif self.policy == "off":
-            state = "not locked (mlock policy off)"
-        else:
-            state = "NOT LOCKED"
-        return (f"weights {mb(self.weight_bytes)}: {state}, VmLck {vm}; populate "
-                f"{self.populate_s * 1e3:.1f} ms, mlock {self.lock_s * 1e3:.1f} ms")
+        return memlock.lock_summary(self.as_dict())
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,205 @@
+"""The engine seam: what the runner drives, and which implementation serves a model.
+
+Two engines implement `EngineLike`:
+- `llamacpp` (`runtime/llamacpp.py`): llama.cpp's kernels through llama-cpp-python's C API, any
+  GGUF llama.cpp loads (K-quants, Q4_0-Q8_0, F16/BF16; llama, qwen2/3, gemma3, phi3, ...); the
+  default wherever llama-cpp-python imports.
+- `numpy` (`runtime/engine.py`): weights prepared as f32/f16 and computed with numpy; the
+  reference (checked against transformers) and the fallback where llama-cpp-python cannot be
+  built. llama-family GGUFs with Q4_0/Q4_1/Q8_0/F16/F32 tensors only.
+
+Invariants owned here:
+- `resolve_engine` is the one place "auto" becomes a name: llamacpp when llama-cpp-python
+  imports, numpy otherwise. The control plane and the runner both call it, so they agree.
+- The control plane needs no weights to admit a request: `open_tokenizer` and `model_facts`
+  read the GGUF's metadata only (a vocab-only load for llamacpp), and the memory budget is
+  computed from those facts before a runner starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from edge_agent.errors import ConfigError, ModelFileError
+from edge_agent.runtime.prefill_groups import NewSeq
+from edge_agent.runtime.sampling import SamplingParams
+
+__all__ = ["ENGINES", "EngineLike", "ModelFacts", "TokenizerLike", "llamacpp_budget_bytes",
+           "load_engine", "model_facts", "open_tokenizer", "resolve_engine"]
+
+ENGINES = ("auto", "llamacpp", "numpy")
+
+
+class TokenizerLike(Protocol):
+    """What the daemon asks of a model's tokenizer (both engines' tokenizers offer it)."""
+
+    bos_id: int
+    eos_id: int
+    eog_ids: frozenset[int]
+    special_ids: frozenset[int]
+
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def chat_template(self) -> Any: ...
+    @property
+    def chat_note(self) -> str: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+    def apply_chat_template(self, messages: Sequence[Any], *,
+                            add_generation_prompt: bool = True) -> list[int]: ...
+    def turn_end_ids(self) -> list[int]: ...
+
+
+class EngineLike(Protocol):
+    """One loaded model serving up to `max_batch` sequences of up to `context` tokens."""
+
+    name: str
+    context: int
+    max_batch: int
+    stop_ids: frozenset[int]
+    tokenizer: Any
+
+    @property
+    def free_blocks(self) -> int: ...
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+            generated: Sequence[int] = ()) -> int: ...
+    def add_many(self, new: Sequence[NewSeq]) -> tuple[dict[str, int], dict[str, Any]]: ...
+    def step(self, seq_ids: Sequence[str]) -> dict[str, int]: ...
+    def release(self, seq_id: str) -> None: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+    def lock_report(self) -> dict[str, Any] | None: ...
+    def warmup_ids(self) -> list[int]: ...
+    def batch_invariance(self, prompt_ids: Sequence[int]) -> bool: ...
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
+    def stream_text(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                    on_token: Callable[[int], None] | None = None) -> Iterator[str]: ...
+
+
+def resolve_engine(name: str) -> str:
+    """"auto" -> "llamacpp" when llama-cpp-python imports, else "numpy"; names pass through."""
+    if name not in ENGINES:
+        raise ConfigError(f"runtime.engine: {name!r} is not an engine (choose one of "
+                          f"{', '.join(ENGINES)}). Hint: \"auto\" picks llamacpp when "
+                          "llama-cpp-python is installed.")
+    if name != "auto":
+        return name
+    from edge_agent.runtime.llama_vocab import llama_available
+
+    return "llamacpp" if llama_available() else "numpy"
+
+
+def load_engine(engine: str, model_path: Path, *, state_dir: Path, dtype: str = "f32",
+                mlock: str = "best-effort", max_batch: int = 8, context: int = 2048,
+                threads: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> EngineLike:
+    """Load `model_path` on `engine` (a resolved name), pinned by the `mlock` policy."""
+    name = resolve_engine(engine)
+    if name == "llamacpp":
+        from edge_agent.runtime.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine.load(model_path, mlock=mlock, max_batch=max_batch,
+                                   context=context, threads=threads)
+    from edge_agent.runtime.engine import DEFAULT_THREADS, Engine
+
+    return Engine.load(model_path, state_dir=state_dir, dtype=dtype, mlock=mlock,
+                       max_batch=max_batch, context=context,
+                       threads=threads or DEFAULT_THREADS, progress=progress)
+
+
+def open_tokenizer(engine: str, model_path: Path, metadata: dict[str, Any] | None = None
+                   ) -> Any:
+    """The tokenizer the control plane uses for `model_path` on `engine` (no weights read)."""
+    if resolve_engine(engine) == "llamacpp":
+        from edge_agent.runtime.llama_vocab import LlamaVocab
+
+        return LlamaVocab.load(model_path)
+    from edge_agent.runtime.gguf import GGUFFile
+    from edge_agent.runtime.tokenizer import Tokenizer
+
+    meta = metadata if metadata is not None else GGUFFile(model_path).metadata
+    return Tokenizer.from_metadata(meta, source=str(model_path))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a GGUF's metadata says about the memory a model needs, engine-independent."""
+
+    architecture: str
+    n_layers: int
+    n_kv_heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+    context_length: int  # trained context (0: not stated)
+    tensor_bytes: int  # the tensors as stored in the file
+    sliding_window: int  # 0: every layer attends to the whole context
+    swa_layers: int  # layers that attend only to the last `sliding_window` tokens
+    vocab_size: int
+
+    def kv_bytes(self, tokens: int, *, sequences: int = 1, elem_bytes: int = 2) -> int:
+        """K and V cache bytes for `sequences` of `tokens` each (f16 cells by default); a
+        sliding-window layer keeps at most its window (+ one batch of 512) per sequence."""
+        per = self.n_kv_heads * (self.key_dim + self.value_dim) * elem_bytes
+        full = self.n_layers - self.swa_layers
+        swa_tokens = min(tokens, self.sliding_window + 512) if self.sliding_window else tokens
+        return sequences * per * (full * tokens + self.swa_layers * swa_tokens)
+
+
+def model_facts(model_path: Path, metadata: dict[str, Any] | None = None) -> ModelFacts:
+    """ModelFacts from the GGUF header at `model_path` (reads metadata and tensor infos)."""
+    from edge_agent.runtime.gguf import GGUFFile
+
+    with GGUFFile(model_path) as g:
+        meta = dict(metadata if metadata is not None else g.metadata)
+        tensor_bytes = g.size - g.data_offset
+    arch = str(meta.get("general.architecture", ""))
+    where = f"{model_path}: "
+
+    def get(key: str, default: int | None = None) -> int:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelFileError(f"{where}metadata key {arch}.{key!r} is missing. Hint: convert "
+                                 "the model again with llama.cpp's convert_hf_to_gguf.py.")
+        if isinstance(value, (list, tuple)):  # per-layer values (e.g. OpenELM): the largest
+            value = max(int(v) for v in value) if value else 0
+        return int(value)
+
+    n_heads = get("attention.head_count")
+    dim = get("embedding_length")
+    head_dim = dim // max(n_heads, 1)
+    n_layers = get("block_count")
+    window = get("attention.sliding_window", 0)
+    swa_layers = 0
+    if window and arch.startswith("gemma3"):  # five local layers for each global one
+        swa_layers = n_layers - n_layers // 6
+    elif window and arch.startswith("gemma2"):
+        swa_layers = n_layers // 2
+    elif window:
+        swa_layers = n_layers
+    return ModelFacts(
+        architecture=arch, n_layers=n_layers,
+        n_kv_heads=get("attention.head_count_kv", n_heads),
+        key_dim=get("attention.key_length", head_dim),
+        value_dim=get("attention.value_length", head_dim),
+        context_length=get("context_length", 0),
+        tensor_bytes=tensor_bytes,
+        sliding_window=window, swa_layers=swa_layers,
+        vocab_size=len(meta.get("tokenizer.ggml.tokens", ())))
+
+
+def llamacpp_budget_bytes(facts: ModelFacts, max_batch: int, context: int, *,
+                          overhead_bytes: int = 0) -> int:
+    """Bytes a llama.cpp runner holds resident: the weights as stored, the KV cache (f16
+    cells, `max_batch` sequences of `context` tokens, sliding-window layers their window),
+    the compute buffer a decode of up to BATCH_TOKENS touches, and `overhead_bytes` for the
+    process itself."""
+    kv = facts.kv_bytes(context, sequences=max_batch)
+    # measured on SmolLM2-135M (49,152 tokens) and Gemma 3 270M (262,144) at max_batch 2 and 8:
+    # the compute buffer, logits and outputs grow with the vocabulary and the batch
+    compute = (24 << 20) + (2 << 20) * max_batch + 256 * facts.vocab_size
+    return facts.tensor_bytes + kv + compute + overhead_bytes

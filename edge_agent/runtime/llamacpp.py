@@ -1,0 +1,487 @@
+"""The llama.cpp engine: any GGUF llama.cpp loads, driven through llama-cpp-python's C API.
+
+The runner drives it exactly as it drives the numpy engine (`runtime/engine.py`): `add_many`
+(prefill new sequences, one token each back), `step` (one batched decode over any subset of the
+active sequences), `release`, `close`, `describe`. Compute is llama.cpp's own (its quantized
+kernels, its KV cache); sampling stays ours (`runtime/sampling.py`, Philox keyed by (seed,
+generation index)), so a request resumed on either engine draws the same numbers.
+
+Invariants owned here:
+- One llama context per engine, created for `max_batch` sequences of `context` tokens each
+  (`n_seq_max = max_batch`, `n_ctx = context * max_batch`, a per-sequence KV cache): a sequence
+  holds one llama.cpp `seq_id` (a slot) from `add` to `release`; releasing removes its cells
+  from the KV cache (`llama_memory_seq_rm`), so a freed slot starts empty.
+- `step` is all-or-nothing: every argument is checked before `llama_decode`; a failed decode
+  advances no sequence. A sequence never grows past `context` tokens.
+- Every token of one `llama_decode` call belongs to exactly one sequence; logits are requested
+  only where a token is sampled (the last prompt token of an added sequence, every stepped
+  token), and read back in batch order.
+- Weights stay where llama.cpp puts them (the GGUF mapped, repacked copies in anonymous memory);
+  pinning (`mlock` policy) locks exactly those: the file's mapping and the anonymous regions
+  the model load created (seen in /proc/self/maps before and after), before the context (KV
+  cache, compute buffers) exists; the report reads VmLck back (>= the weights' bytes).
+- The llama.cpp library is initialised once per process; its log goes to Python `logging`
+  (logger `edge_agent.llama`), warnings and errors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_agent.errors import EdgeAgentError, ModelFileError
+from edge_agent.runtime import memlock
+from edge_agent.runtime.llama_vocab import (
+    LlamaVocab,
+    check_gguf,
+    llama_lib,
+    model_meta,
+    recent_errors,
+)
+from edge_agent.runtime.prefill_groups import NewSeq
+from edge_agent.runtime.sampling import SamplingParams, sample_rows
+
+__all__ = ["LlamaCppEngine", "LlamaCppError", "default_threads"]
+
+log = logging.getLogger("edge_agent.llamacpp")
+
+BATCH_TOKENS = 512  # tokens per llama_decode call while prefilling (llama.cpp's n_batch)
+
+
+class LlamaCppError(EdgeAgentError):
+    """llama.cpp refused a model, a context or a batch; the message says which and why."""
+
+
+def default_threads() -> int:
+    """The cores this process may use: its CPU affinity, capped by the cgroup's cpu.max."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(Path("/proc/self/cgroup"), Path("/sys/fs/cgroup"))
+    if quota is not None:
+        cores = min(cores, max(1, int(quota + 0.5)))
+    return max(1, cores)
+
+
+def _cgroup_cpu_quota(proc_cgroup: Path, root: Path) -> float | None:
+    """CPUs allowed by cpu.max along this process's cgroup v2 path (None: no limit known)."""
+    try:
+        line = next(ln for ln in proc_cgroup.read_text().splitlines() if ln.startswith("0::"))
+    except (OSError, StopIteration):
+        return None
+    rel = Path(line[3:].strip().lstrip("/"))
+    best: float | None = None
+    for d in [root / rel, *[root / p for p in rel.parents]]:
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        if quota != "max":
+            cpus = int(quota) / int(period)
+            best = cpus if best is None else min(best, cpus)
+    return best
+
+
+def _regions(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings ("" for anonymous memory)."""
+    out = []
+    for line in maps.read_text().splitlines():
+        parts = line.split(None, 5)
+        rng = parts[0].split("-")
+        out.append((int(rng[0], 16), int(rng[1], 16), parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+@dataclass
+class _Seq:
+    slot: int
+    params: SamplingParams
+    length: int  # tokens in the KV cache (prompt + fed tokens)
+    last: int  # last sampled token, fed by the next step
+    generated: int  # tokens sampled so far (the next one is generation index `generated`)
+
+
+class LlamaCppEngine:
+    """A GGUF loaded by llama.cpp, ready for up to `max_batch` sequences of `context` tokens."""
+
+    name = "llamacpp"
+
+    def __init__(self, path: Path, *, max_batch: int = 8, context: int = 2048,
+                 threads: int | None = None, mlock: str = "best-effort") -> None:
+        if max_batch < 1 or context < 2:
+            raise LlamaCppError(f"llama.cpp engine: max_batch {max_batch} and context {context} "
+                                "must be >= 1 and >= 2. Hint: fix the model's settings.")
+        if mlock not in memlock.MLOCK_POLICIES:
+            raise LlamaCppError(f"mlock policy {mlock!r} is not valid. Hint: use one of "
+                                f"{', '.join(memlock.MLOCK_POLICIES)}.")
+        check_gguf(path)
+        lib = llama_lib()
+        self._lib = lib
+        self.path = Path(path)
+        self.threads = threads or default_threads()
+        t0 = time.monotonic()
+        mparams = lib.llama_model_default_params()
+        mparams.load_mode = 1  # LLAMA_LOAD_MODE_MMAP: the page cache holds the file once
+        before = set(_regions())
+        model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        real = os.path.realpath(self.path)
+        # the weights: the GGUF's mapping, and anonymous memory the load created (repacked or
+        # copied tensors); mapped before the context exists, so KV cache and compute buffers
+        # are not among them
+        self._weight_regions = sorted(
+            (a, b) for a, b, name in _regions()
+            if name == real or (name == "" and (a, b, name) not in before))
+        self._region_bytes = sum(b - a for a, b in self._weight_regions)
+        if not model:
+            raise ModelFileError(
+                f"{self.path}: llama.cpp could not load this GGUF "
+                f"({recent_errors() or 'no reason given'}). Hint: check that the file is a "
+                "complete GGUF of an architecture llama.cpp supports.")
+        self._model = model
+        self.tokenizer = LlamaVocab.from_model(model, source=str(self.path))
+        train_ctx = int(lib.llama_model_n_ctx_train(model))
+        self.context = min(context, train_ctx) if train_ctx > 0 else context
+        self.max_batch = max_batch
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.context * max_batch
+        cparams.n_batch = BATCH_TOKENS
+        cparams.n_ubatch = BATCH_TOKENS
+        cparams.n_seq_max = max_batch
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.kv_unified = False
+        cparams.swa_full = False  # sliding-window layers keep their window only (llama-server's)
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise LlamaCppError(
+                f"{self.path}: llama.cpp could not create a context for {max_batch} sequences "
+                f"of {self.context} tokens ({recent_errors() or 'out of memory?'}). Hint: "
+                "lower max_batch or context.")
+        self._ctx = ctx
+        self._mem = lib.llama_get_memory(ctx)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
+        self.load_s = time.monotonic() - t0
+        self._batch = lib.llama_batch_init(max(BATCH_TOKENS, max_batch), 0, 1)
+        self._seqs: dict[str, _Seq] = {}
+        self._free_slots = list(range(max_batch))
+        self._ids = itertools.count()
+        self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
+        self.mlock_policy = mlock
+        self.lock: dict[str, Any] | None = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model_path: str | os.PathLike[str], *, mlock: str = "best-effort",
+             max_batch: int = 8, context: int = 2048, threads: int | None = None,
+             **_ignored: Any) -> LlamaCppEngine:
+        """Load `model_path` and pin the runner's memory by the `mlock` policy."""
+        path = Path(model_path)
+        engine = cls(path, max_batch=max_batch, context=context, threads=threads, mlock=mlock)
+        try:
+            engine.pin()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def pin(self) -> dict[str, Any]:
+        """Lock the weights by the policy: the GGUF's mapping and the anonymous memory the
+        model load created (weights llama.cpp repacked or copied); the report reads VmLck."""
+        weight_bytes = int(self._lib.llama_model_size(self._model))
+        env = memlock.memlock_env()
+        report: dict[str, Any] = {"policy": self.mlock_policy, "locked": False,
+                                  "weight_bytes": weight_bytes, "locked_bytes": 0,
+                                  "vmlck_bytes": None, "error": None, "populate_s": 0.0,
+                                  "lock_s": 0.0, "regions": len(self._weight_regions),
+                                  **env.as_dict()}
+        if self.mlock_policy != "off":
+            t0 = time.monotonic()
+            err = 0
+            done = 0
+            for start, end in self._weight_regions:
+                err = memlock.mlock(start, end - start)
+                if err:
+                    break
+                done += end - start
+            report["lock_s"] = time.monotonic() - t0
+            report["vmlck_bytes"] = memlock.vmlck_bytes()
+            report["locked_bytes"] = done
+            if err:
+                for start, end in self._weight_regions:
+                    memlock.munlock(start, end - start)
+                report["locked_bytes"] = 0
+                report["vmlck_bytes"] = memlock.vmlck_bytes()
+                report["error"] = memlock.lock_failure_message(
+                    f"{self.path} (llama.cpp weights)", self._region_bytes, err, env)
+                if self.mlock_policy == "required":
+                    from edge_agent.runtime.weights import MemoryLockError
+
+                    raise MemoryLockError(report["error"])
+                log.warning("edge-agent: serving UNLOCKED weights (mlock policy best-effort): "
+                            "%s", report["error"])
+            else:
+                report["locked"] = True
+        self.lock = report
+        return report
+
+    def close(self) -> None:
+        lib = self._lib
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lib.llama_model_free(self._model)
+            self._model = None
+        self._seqs = {}
+
+    def __enter__(self) -> LlamaCppEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- description --------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        """Free sequence slots (each holds `context` tokens of KV cache)."""
+        return len(self._free_slots)
+
+    @property
+    def active(self) -> list[str]:
+        return list(self._seqs)
+
+    def length(self, seq_id: str) -> int:
+        return self._get(seq_id).length
+
+    def lock_report(self) -> dict[str, Any] | None:
+        """The `pin()` report (policy, locked, VmLck, error), None before pinning."""
+        return None if self.lock is None else dict(self.lock)
+
+    def warmup_ids(self) -> list[int]:
+        """A one-token prompt for the warm-up forward."""
+        bos = self.tokenizer.bos_id
+        return [bos if 0 <= bos < self.n_vocab else 0]
+
+    def describe(self) -> dict[str, Any]:
+        lib, model = self._lib, self._model
+        buf = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(model, buf, len(buf))
+        meta = model_meta(model)
+        arch = meta.get("general.architecture", "")
+        return {"engine": self.name, "file": str(self.path), "description": buf.value.decode(),
+                "architecture": arch, "parameters": int(lib.llama_model_n_params(model)),
+                "weight_bytes": int(lib.llama_model_size(model)),
+                "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
+                "vocab_type": self.tokenizer.vocab_type, "vocab_size": self.n_vocab}
+
+    # -- step API -------------------------------------------------------------------------------
+    def _get(self, seq_id: str) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise LlamaCppError(f"engine: no active sequence {seq_id!r} ({len(self._seqs)} "
+                                "active). Hint: add() it first; it may have been released."
+                                ) from None
+
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+            generated: Sequence[int] = ()) -> int:
+        tokens, errors = self.add_many([NewSeq(seq_id, prompt_ids, params, generated)])
+        if errors:
+            raise errors[seq_id]
+        return tokens[seq_id]
+
+    def _check_new(self, seq: NewSeq, pending: int) -> list[int]:
+        if seq.seq_id in self._seqs:
+            raise LlamaCppError(f"engine: sequence {seq.seq_id!r} is already active. Hint: "
+                                "release() it first or use a new id.")
+        if len(self._seqs) + pending >= self.max_batch:
+            raise LlamaCppError(
+                f"engine: {len(self._seqs) + pending} sequences active, max_batch is "
+                f"{self.max_batch}; cannot add {seq.seq_id!r}. Hint: wait for one to finish or "
+                "raise max_batch.")
+        ids = [int(i) for i in seq.prompt_ids]
+        if not ids:
+            raise LlamaCppError(f"engine: sequence {seq.seq_id!r} has an empty prompt. Hint: "
+                                "pass at least one token id.")
+        done = len(seq.generated)
+        ids += [int(i) for i in seq.generated]
+        bad = [i for i in ids if not 0 <= i < self.n_vocab]
+        if bad:
+            raise LlamaCppError(
+                f"engine: prompt of {seq.seq_id!r} holds token id {bad[0]} outside the "
+                f"vocabulary 0..{self.n_vocab - 1}. Hint: encode text with this model's "
+                "tokenizer.")
+        if len(ids) >= self.context:
+            raise LlamaCppError(
+                f"engine: prompt of {seq.seq_id!r} has {len(ids)} tokens"
+                + (f" ({done} of them already generated)" if done else "")
+                + f"; the context is {self.context} and at least one must remain to generate. "
+                "Hint: shorten the prompt or load the model with a larger context.")
+        return ids
+
+    def add_many(self, new: Sequence[NewSeq]
+                 ) -> tuple[dict[str, int], dict[str, EdgeAgentError]]:
+        """Prefill new sequences together (their tokens share llama_decode calls of up to
+        BATCH_TOKENS tokens); (first token by id, error by id)."""
+        ids_seen = [s.seq_id for s in new]
+        if len(set(ids_seen)) != len(ids_seen):
+            raise LlamaCppError(f"engine: add_many() got a sequence id twice in {ids_seen!r}. "
+                                "Hint: use a new id for each sequence.")
+        tokens: dict[str, int] = {}
+        errors: dict[str, EdgeAgentError] = {}
+        ready: list[tuple[NewSeq, list[int], int]] = []
+        for seq in new:
+            try:
+                ids = self._check_new(seq, len(ready))
+            except LlamaCppError as exc:
+                errors[seq.seq_id] = exc
+                continue
+            ready.append((seq, ids, self._free_slots[len(ready)]))
+        if not ready:
+            return tokens, errors
+        work = [(k, pos, tok) for k, (_, ids, _) in enumerate(ready) for pos, tok in enumerate(ids)]
+        last_row: dict[int, np.ndarray] = {}
+        try:
+            for start in range(0, len(work), BATCH_TOKENS):
+                chunk = work[start:start + BATCH_TOKENS]
+                outs = [k for k, pos, _ in chunk if pos == len(ready[k][1]) - 1]
+                self._decode([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
+                              for k, pos, tok in chunk])
+                rows = self._logits(len(outs))
+                for j, k in enumerate(outs):
+                    last_row[k] = rows[j].copy()
+        except LlamaCppError as exc:
+            for seq, _, slot in ready:
+                self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                errors[seq.seq_id] = exc
+            return tokens, errors
+        order = list(range(len(ready)))
+        sampled = sample_rows(np.stack([last_row[k] for k in order]),
+                              [ready[k][0].params for k in order],
+                              [len(ready[k][0].generated) for k in order])
+        for k, token in zip(order, sampled, strict=True):
+            seq, ids, slot = ready[k]
+            self._free_slots.remove(slot)
+            self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, length=len(ids),
+                                          last=int(token), generated=len(seq.generated) + 1)
+            tokens[seq.seq_id] = int(token)
+        return tokens, errors
+
+    def step(self, seq_ids: Sequence[str]) -> dict[str, int]:
+        """One batched decode step: feed each sequence's last token, sample the next."""
+        if not seq_ids:
+            return {}
+        if len(set(seq_ids)) != len(seq_ids):
+            raise LlamaCppError(f"engine: step() got a sequence twice in {list(seq_ids)!r}. "
+                                "Hint: pass each active sequence at most once.")
+        seqs = [self._get(s) for s in seq_ids]
+        full = [s for s, q in zip(seq_ids, seqs, strict=True) if q.length + 1 > self.context]
+        if full:
+            raise LlamaCppError(
+                f"engine: sequence {full[0]!r} has reached the context of {self.context} "
+                "tokens. Hint: release it (finish the request) or load a larger context.")
+        self._decode([(q.last, q.length, q.slot, True) for q in seqs])
+        logits = self._logits(len(seqs))  # (B, V)
+        sampled = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
+        out: dict[str, int] = {}
+        for sid, q, token in zip(seq_ids, seqs, sampled, strict=True):
+            q.length += 1
+            q.last = int(token)
+            q.generated += 1
+            out[sid] = int(token)
+        return out
+
+    def release(self, seq_id: str) -> None:
+        """Forget `seq_id` and clear its KV cells (unknown ids are ignored)."""
+        q = self._seqs.pop(seq_id, None)
+        if q is not None:
+            self._lib.llama_memory_seq_rm(self._mem, q.slot, -1, -1)
+            self._free_slots.append(q.slot)
+            self._free_slots.sort()
+
+    def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
+        """Measured, not assumed: does one decode step give a sequence bit-identical logits
+        alone and next to 1, 3 and 7 others (as many as max_batch allows)? Some models' kernels
+        change with the number of tokens in a step (on x86-64, Gemma 3's K-quant and repacked
+        Q4_0 matrix products switch kernels at 2, 4 and 8 rows), so their tokens may depend
+        on what shares the batch; llama-family Q4_0/Q4_1/Q8_0 files here do not. Needs free
+        slots: call it before serving (the runner does, at warm-up)."""
+        ids = [int(i) for i in prompt_ids] or self.warmup_ids()
+        params = SamplingParams(max_tokens=2)
+        rows: list[np.ndarray] = []
+        for company in sorted({min(n, self.max_batch - 1) for n in (0, 1, 3, 7)}):
+            seqs = [NewSeq("_probe", ids, params)] + [
+                NewSeq(f"_probe{k}", [*ids[: 1 + k % len(ids)], 0], params)
+                for k in range(company)]
+            try:
+                _, errors = self.add_many(seqs)
+                if errors:
+                    raise next(iter(errors.values()))
+                self.step([s.seq_id for s in seqs])
+                rows.append(self._logits(len(seqs))[0].copy())
+            finally:
+                for s in seqs:
+                    self.release(s.seq_id)
+        return all(np.array_equal(rows[0], r) for r in rows[1:])
+
+    # -- llama.cpp calls ------------------------------------------------------------------------
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, slot, wants logits) rows."""
+        b = self._batch
+        for i, (tok, pos, slot, out) in enumerate(rows):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = slot
+            b.logits[i] = 1 if out else 0
+        b.n_tokens = len(rows)
+        rc = self._lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise LlamaCppError(
+                f"llama_decode of {len(rows)} token(s) returned {rc} "
+                + ("(no KV cache slot for the batch)" if rc == 1 else "(see the log above)")
+                + ". Hint: lower max_batch or context, or retry the request.")
+
+    def _logits(self, n: int) -> np.ndarray:
+        """The last decode's `n` output rows, (n, V) float32 (a view: copy to keep)."""
+        if n == 0:
+            return np.empty((0, self.n_vocab), np.float32)
+        ptr = self._lib.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
+
+    # -- one-request conveniences (edge-agent generate --local, tests) ------------------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        seq_id = f"_generate-{next(self._ids)}"
+        try:
+            token = self.add(seq_id, prompt_ids, params)
+            for n in range(1, params.max_tokens + 1):
+                if token in self.stop_ids and not params.ignore_eos:
+                    return
+                yield token
+                if n == params.max_tokens or self.length(seq_id) + 1 > self.context:
+                    return
+                token = self.step([seq_id])[seq_id]
+        finally:
+            self.release(seq_id)
+
+    def stream_text(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                    on_token: Callable[[int], None] | None = None) -> Iterator[str]:
+        from edge_agent.runtime.engine import stream_text
+
+        return stream_text(self.tokenizer, self.generate(prompt_ids, params), params.stop,
+                           on_token=on_token)
