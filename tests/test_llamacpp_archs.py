@@ -24,8 +24,9 @@ from edge_agent.runtime.sampling import SamplingParams
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python")
 
-from edge_agent.runtime.llamacpp import LlamaCppEngine  # noqa: E402
 from tiny_archs import ARCHS, write_tiny_arch  # noqa: E402
+
+from edge_agent.runtime.llamacpp import LlamaCppEngine  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
