@@ -90,7 +90,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
                                   "deadline of a request that sets none (\"none\": no deadline)"),
         "starvation_age_s": Key(cv.float_in(0.001, 86400), "10", "longest a priority level waits "
                                 "behind higher ones"),
-        "max_retries": Key(cv.int_in(0, 100), "2", "re-queues of a request after its runner died"),
+        "max_retries": Key(cv.int_in(0, 100), "2", "runner deaths in a row a request survives "
+                         "without producing a token"),
         "keep_finished": Key(cv.int_in(0, 1_000_000), "1024", "finished requests kept for GET"),
     },
     "runtime": {

@@ -102,6 +102,30 @@ def test_weights_pinned_vmlck_covers_them(engine: LlamaCppEngine) -> None:
     assert report["locked_bytes"] >= report["weight_bytes"]
 
 
+def test_repacked_weights_are_locked_too(tmp_path: Path) -> None:
+    """A Q4_0 file: llama.cpp repacks its matrices into anonymous memory for its CPU kernels;
+    a lock of the file alone would leave those copies pageable. Both are locked."""
+    import ctypes
+
+    from edge_agent.runtime.llama_vocab import llama_lib
+
+    lib = llama_lib()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = 2  # LLAMA_FTYPE_MOSTLY_Q4_0
+    params.allow_requantize = True
+    q4_0 = tmp_path / "smollm2-q4_0.gguf"
+    assert lib.llama_model_quantize(str(default_model_path()).encode(), str(q4_0).encode(),
+                                    ctypes.byref(params)) == 0
+    with LlamaCppEngine.load(q4_0, max_batch=1, context=64, mlock="best-effort") as e:
+        report = e.lock_report()
+        assert report is not None
+        if not report["locked"]:
+            pytest.skip(f"mlock refused here: {report['error']}")
+        assert report["anonymous_bytes"] > 16 << 20  # the repacked copies
+        assert report["locked_bytes"] >= report["weight_bytes"] + report["anonymous_bytes"] // 2
+        assert report["vmlck_bytes"] >= report["locked_bytes"]
+
+
 def _batch(engine: LlamaCppEngine, prompts: list[str], n: int) -> dict[str, list[int]]:
     tok = engine.tokenizer
     first, errors = engine.add_many([NewSeq(str(i), tok.encode(p), GREEDY)

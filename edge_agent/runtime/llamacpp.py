@@ -142,6 +142,8 @@ class LlamaCppEngine:
             (a, b) for a, b, name in _regions()
             if name == real or (name == "" and (a, b, name) not in before))
         self._region_bytes = sum(b - a for a, b in self._weight_regions)
+        self._anon_bytes = sum(b - a for a, b, name in _regions()
+                               if name == "" and (a, b) in self._weight_regions)
         if not model:
             raise ModelFileError(
                 f"{self.path}: llama.cpp could not load this GGUF "
@@ -205,6 +207,7 @@ class LlamaCppEngine:
                                   "weight_bytes": weight_bytes, "locked_bytes": 0,
                                   "vmlck_bytes": None, "error": None, "populate_s": 0.0,
                                   "lock_s": 0.0, "regions": len(self._weight_regions),
+                                  "anonymous_bytes": self._anon_bytes,
                                   **env.as_dict()}
         if self.mlock_policy != "off":
             t0 = time.monotonic()
