@@ -7,7 +7,7 @@ STATE  ?= .state
 # Debian packages the tests use (ELF oracle, example firmware, QEMU boot, stm32flash fidelity, ptys)
 DEB_TEST_PACKAGES := gcc-arm-none-eabi binutils-arm-none-eabi libnewlib-arm-none-eabi \
                      qemu-system-arm qemu-system-x86 mmdebstrap nbdkit kmod e2fsprogs \
-                     stm32flash socat systemd
+                     stm32flash socat systemd gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake ninja-build
 
 .PHONY: run demo bench-qemu test venv deps-test deps-debian model lint bench clean
 

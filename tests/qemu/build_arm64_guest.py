@@ -35,8 +35,11 @@ ARCH = "arm64"
 PLATFORM = "manylinux2014_aarch64"  # numpy 2.2.6 is the last with such a wheel; fine for 3.11
 DEBS = ["busybox-static", "python3.11-minimal", "libpython3.11-stdlib", "libsqlite3-0",
         "libstdc++6"]  # libstdc++6: the tokenizers extension links it
-# What `import edge_agent, firmware_tools` needs (pyproject's dependencies) on Python 3.11.
-WHEELS = ["numpy", "pyserial", "h11", "sqlite-utils", "tokenizers", "pyelftools"]
+# What `import edge_agent, firmware_tools` needs (pyproject's dependencies) on Python 3.11, and
+# what llama-cpp-python's Python side imports (typing-extensions, diskcache; numpy and jinja2
+# are already here), so llama_aarch64's overlay needs nothing but itself.
+WHEELS = ["numpy", "pyserial", "h11", "sqlite-utils", "tokenizers", "pyelftools", "jinja2",
+          "threadpoolctl", "typing-extensions", "diskcache"]
 # Pulled in by tokenizers (huggingface_hub, for from_pretrained) and sqlite-utils (pip, for its
 # `install` command) but never imported by the project: ~30 MB of initramfs saved.
 SKIP_WHEELS = ["huggingface_hub", "requests", "urllib3", "idna", "certifi", "charset_normalizer",

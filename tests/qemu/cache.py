@@ -56,9 +56,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def cached_build(name: str, key: str, build: Callable[[Path], None]) -> Path:
-    """Return cache_root()/<name>-<key>, calling build(tmp_dir) to make it if it is missing."""
-    root = cache_root()
+def cached_build(name: str, key: str, build: Callable[[Path], None], *,
+                 root: Path | None = None) -> Path:
+    """Return <root>/<name>-<key> (root: cache_root() unless given), calling build(tmp_dir)
+    to make it if it is missing."""
+    if root is None:
+        root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{name}-{key}"
     if final.is_dir():
         return final

@@ -9,8 +9,9 @@ timeout), so no test leaves an emulator running; every wait has a timeout and ra
 GuestTimeout with the console's tail; the command's output travels on its own virtio port
 (`ea.out`), never mixed with kernel messages on the console; the project's source tree is
 appended to the cached initramfs at boot (/opt/edge-agent, precompiled), so the image is not
-rebuilt when the code changes. `-cpu cortex-a72`, not `max` (pointer authentication emulation
-makes `max` 6-8x slower). With uart=True the guest's PL011 (ttyAMA0) is a host pty
+rebuilt when the code changes. `-cpu cortex-a72` by default (cortex-a76 for the aarch64
+llama.cpp build, which uses its dotprod/fp16 instructions), not `max` (pointer authentication
+emulation makes `max` 6-8x slower). With uart=True the guest's PL011 (ttyAMA0) is a host pty
 (`guest.uart_path`, open it with pyserial) and the console moves to hvc0.
 """
 
@@ -221,16 +222,18 @@ class QemuGuest:
 class Arm64Guest(QemuGuest):
     """One boot of the arm64 guest. Disks are raw image paths or `file=` strings for QEMU
     (e.g. an NBD URI); the first one is /dev/vda, mounted at /mnt/disk unless mount='none'.
-    `files` maps guest paths to bytes added to the initramfs."""
+    `files` maps guest paths to bytes added to the initramfs; `extra_initrds` are cpio archives
+    appended after the image's (e.g. llama_aarch64's llama.cpio), before the source and files."""
 
     def __init__(self, command: str, *, uart: bool = False, mount: str = "rw",
                  image: GuestImage | None = None, cpu: str = "cortex-a72",
-                 **kwargs: object) -> None:
+                 extra_initrds: Sequence[Path] = (), **kwargs: object) -> None:
         super().__init__(command, **kwargs)  # type: ignore[arg-type]
         self.uart = uart
         self.mount = mount
         self.image = image
         self.cpu = cpu
+        self.extra_initrds = list(extra_initrds)
         self.uart_path: str | None = None
 
     def __enter__(self) -> Arm64Guest:
@@ -253,7 +256,7 @@ class Arm64Guest(QemuGuest):
             w.close()
         initrd = self.workdir / "initrd.cpio"
         with open(initrd, "wb") as out:
-            for part in (base, overlay):
+            for part in (base, *self.extra_initrds, overlay):
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 20)
         overlay.unlink()

@@ -13,8 +13,10 @@ import pytest
 from qemu.build_arm64_guest import GuestImage, arm64_image
 from qemu.build_systemd_guest import SystemdImage, systemd_image
 from qemu.errors import PackagesUnavailable
+from qemu.llama_aarch64 import TOOLCHAIN_PACKAGES, LlamaAarch64, llama_aarch64
 
-__all__ = ["require_tool", "arm64_image_or_skip", "systemd_image_or_skip"]
+__all__ = ["require_tool", "arm64_image_or_skip", "llama_aarch64_or_skip",
+           "systemd_image_or_skip"]
 
 
 def require_tool(tool: str, package: str, what: str) -> None:
@@ -42,3 +44,16 @@ def systemd_image_or_skip(what: str) -> SystemdImage:
         return systemd_image()
     except PackagesUnavailable as exc:
         pytest.skip(f"!!! systemd guest NOT BUILT, {what} NOT RUN: {exc} !!!")
+
+
+def llama_aarch64_or_skip(what: str) -> LlamaAarch64:
+    """The cached aarch64 llama-cpp-python build (cross-compiled first if needed), after
+    checking the cross toolchain, cmake and ninja."""
+    for tool, package in (("aarch64-linux-gnu-gcc", TOOLCHAIN_PACKAGES),
+                          ("aarch64-linux-gnu-g++", TOOLCHAIN_PACKAGES),
+                          ("cmake", "cmake"), ("ninja", "ninja-build")):
+        require_tool(tool, package, what)
+    try:
+        return llama_aarch64()
+    except PackagesUnavailable as exc:
+        pytest.skip(f"!!! aarch64 llama-cpp-python NOT BUILT, {what} NOT RUN: {exc} !!!")
