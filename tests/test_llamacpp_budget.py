@@ -1,0 +1,56 @@
+"""The memory budget of a llama.cpp runner matches what the runner really holds.
+
+The budget (weights as stored + KV cache + compute buffers + the process) is what memory
+planning and the model's cgroup limits (memory.high / memory.max) are computed from, before a
+runner exists; it must be within 15 % of the loaded runner's resident set, for both shipped
+models, after long prompts have touched the compute buffers.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_proc import Daemon, launch, serve_argv
+
+from edge_agent.paths import default_model_path
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    m = re.search(r"VmRSS:\s+(\d+) kB", status)
+    assert m, status
+    return int(m.group(1)) * 1024
+
+
+@pytest.fixture(scope="module")
+def daemon(gemma_path: Path) -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="ea-bud-", dir="/tmp"))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        '[runtime]\nengine = "llamacpp"\nthreads = 2\n[journal]\nenabled = false\n'
+        f'[models.smollm2]\npath = "{default_model_path()}"\ncontext = 512\nmax_batch = 4\n'
+        f'[models.gemma]\npath = "{gemma_path}"\ncontext = 512\nmax_batch = 4\n')
+    with launch(Daemon, root, serve_argv(cfg)) as d:
+        yield d
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma"])
+def test_budget_within_15_percent_of_the_runner_rss(daemon: Daemon, model: str) -> None:
+    for n in (40, 160):  # a short and a long prefill (the long one fills a 512-token chunk)
+        status, r = daemon.json("POST", "/v1/completions", {
+            "model": model, "prompt": "hello world, " * n, "max_tokens": 8})
+        assert status == 200, r
+    m = daemon.health()["models"][model]
+    assert m["engine"] == "llamacpp"
+    rss = _rss(int(m["runner_pid"]))
+    ratio = m["budget_bytes"] / rss
+    assert 0.85 <= ratio <= 1.15, (f"{model}: budget {m['budget_bytes'] >> 20} MiB, runner RSS "
+                                   f"{rss >> 20} MiB, ratio {ratio:.3f}")
