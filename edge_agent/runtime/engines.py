@@ -27,8 +27,9 @@ from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams
 
-__all__ = ["ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "EngineLike", "ModelFacts", "TokenizerLike", "llamacpp_budget_bytes",
-           "load_engine", "model_facts", "open_tokenizer", "resolve_engine"]
+__all__ = ["ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "EngineLike", "ModelFacts", "TokenizerLike",
+           "llamacpp_budget_bytes", "load_engine", "model_facts", "open_tokenizer",
+           "resolve_engine"]
 
 ENGINES = ("auto", "llamacpp", "numpy")
 
