@@ -11,18 +11,31 @@ timed twice: wall clock, and the CPU time of the decoding thread (BLAS runs in i
 thread), which other processes on a shared machine disturb much less.
 `--profile` splits one decode step at batch 1 and 8 into its matrix products (by weight) and
 everything else, in thread CPU time. OPENBLAS_CORETYPE is reported, never changed.
+
+`--anchor` runs only the comparison with llama.cpp itself: single-stream decode of edge-agent's
+llama.cpp engine (`LlamaCppEngine`, in this process, shaped as the daemon loads it: max_batch 16,
+context 512 per sequence) against llama-bench's tg64 (`-p 0 -n 64 -t THREADS`, built by
+bench/anchor.py from the same llama.cpp source as the pinned llama-cpp-python) on the same GGUF
+with the same thread count, for the default SmolLM2 and Gemma 3 270M Q4_K_M. Both decode 64
+tokens one at a time from an empty context (the engine: a one-token prompt, then 63 steps, with
+its sampling; llama-bench: 64 decodes, no sampling). Rounds alternate which goes first; each
+round is 3 repetitions of each (llama-bench's mean of 3), and the ratio engine / llama-bench is
+reported as its median and min-max over the rounds. Target: >= 0.95.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -265,6 +278,82 @@ def bench_llama_cpp(model: Path, threads: int, ours: float) -> None:
           f"decode {tps:.1f} tok/s; ours / llama.cpp = {ours / tps:.2f}")
 
 
+def _engine_tg(engine: Any, tokens: int) -> float:
+    """tok/s of `tokens` single-stream tokens from an empty context: a one-token prompt (the
+    first token), then tokens - 1 steps."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    t = time.perf_counter()
+    engine.add("tg", engine.warmup_ids(), params)
+    for _ in range(tokens - 1):
+        engine.step(["tg"])
+    dt = time.perf_counter() - t
+    engine.release("tg")
+    return tokens / dt
+
+
+def _llama_bench_tg(binary: Path, model: Path, threads: int, tokens: int, reps: int
+                    ) -> dict[str, Any]:
+    out = subprocess.run([str(binary), "-m", str(model), "-p", "0", "-n", str(tokens),
+                          "-t", str(threads), "-r", str(reps), "-o", "json"],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)[0]
+
+
+def bench_anchor(names: list[str], threads: int, rounds: int, tokens: int = 64,
+                 reps: int = 3, quiet: tuple[float, float] = (0.5, 60.0)
+                 ) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from anchor import anchor_bins
+    from serve import model_paths, wait_quiet
+
+    from edge_agent.runtime.llamacpp import LlamaCppEngine
+
+    bins = anchor_bins()
+    cache = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache/edge-agent")
+    results = []
+    for name, path in model_paths(names, cache / "models").items():
+        ours: list[float] = []
+        theirs: list[float] = []
+        busy: list[float] = []
+        info: dict[str, Any] = {}
+        with LlamaCppEngine.load(path, mlock="off", max_batch=16, context=512,
+                                 threads=threads) as engine:
+            _engine_tg(engine, 16)  # warm-up (llama-bench warms up too)
+            for r in range(rounds):
+                for who in (("engine", "llama-bench") if r % 2 == 0 else
+                            ("llama-bench", "engine")):
+                    busy.append(wait_quiet(*quiet))
+                    if who == "engine":
+                        ours.append(statistics.mean(_engine_tg(engine, tokens)
+                                                    for _ in range(reps)))
+                    else:
+                        info = _llama_bench_tg(bins["bench"], path, threads, tokens, reps)
+                        theirs.append(float(info["avg_ts"]))
+                print(f"{name} round {r + 1}/{rounds}: engine {ours[-1]:.1f} tok/s, "
+                      f"llama-bench tg{tokens} {theirs[-1]:.1f} tok/s", file=sys.stderr)
+        ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+        results.append({"model": name, "file": path.name, "threads": threads,
+                        "engine_tok_s": statistics.median(ours),
+                        "llama_bench_tok_s": statistics.median(theirs),
+                        "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                        "ratio_max": max(ratios), "ratios": ratios,
+                        "others_busy_cores": busy,
+                        "llama_bench_build": f"{info.get('build_commit')} "
+                                             f"({info.get('build_number')})"})
+    print(f"\nsingle-stream decode, {threads} thread(s), {tokens} tokens: edge-agent's llama.cpp "
+          f"engine in process vs llama-bench tg{tokens} (median of {rounds} rounds)")
+    print("| model | engine tok/s | llama-bench tok/s | ratio (min-max) | target >= 0.95 |")
+    print("|---|---|---|---|---|")
+    for res in results:
+        print(f"| {res['model']} | {res['engine_tok_s']:.1f} | {res['llama_bench_tok_s']:.1f} | "
+              f"**{res['ratio']:.2f}** ({res['ratio_min']:.2f}-{res['ratio_max']:.2f}) | "
+              f"{'met' if res['ratio'] >= 0.95 else 'MISSED'} |")
+    busy_all = [b for res in results for b in res["others_busy_cores"]]
+    print(f"other processes kept {statistics.median(busy_all):.2f} CPUs busy before a "
+          f"measurement (median; {min(busy_all):.2f}-{max(busy_all):.2f})")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the default model)")
@@ -278,7 +367,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="also split a decode step at batch 1 and 8 by operation")
     ap.add_argument("--skip-load", action="store_true",
                     help="skip the weight load (populate + mlock) measurement")
+    ap.add_argument("--anchor", action="store_true",
+                    help="only the llama.cpp engine vs llama-bench tg64 (both models)")
+    ap.add_argument("--anchor-models", default="smollm2,gemma3")
+    ap.add_argument("--anchor-threads", type=int, default=None,
+                    help="threads for both (default: the engine's default)")
+    ap.add_argument("--rounds", type=int, default=5, help="--anchor rounds (default: 5)")
+    ap.add_argument("--json", action="store_true", help="--anchor: print JSON too")
+    ap.add_argument("--quiet-cpus", type=float, default=0.5,
+                    help="--anchor: before each measurement, wait until other processes keep "
+                         "at most this many CPUs busy (negative: do not wait)")
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="--anchor: longest wait for --quiet-cpus, seconds")
     args = ap.parse_args(argv)
+    if args.anchor:
+        from edge_agent.runtime.llamacpp import default_threads
+
+        print(f"edge-agent vs llama-bench, {datetime.datetime.now().isoformat(timespec='seconds')}"
+              f"; {os.cpu_count()} CPUs; load average "
+              f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        res = bench_anchor(args.anchor_models.split(","),
+                           args.anchor_threads or default_threads(), args.rounds,
+                           quiet=(args.quiet_cpus, args.quiet_wait))
+        if args.json:
+            print(json.dumps(res, indent=2))
+        return 0
     model = args.model or default_model_path()
     threads = [int(t) for t in args.threads.split(",")]
 
