@@ -2,8 +2,11 @@
 
 Invariants: a cache folder is published by an atomic rename only after its build finished, so a
 folder that exists is complete; builds of the same name are serialized by an flock, so two test
-runs (or engineers) sharing a checkout build once; older folders of the same name are removed
-after a new one is published. $EDGE_AGENT_QEMU_CACHE moves the whole cache elsewhere.
+runs (or engineers) sharing a checkout build once; every use touches its folder, and folders of
+the same name with other inputs are removed once unused for KEEP_OLD_SECONDS (a run that started
+on the previous inputs, e.g. before a file of the key was edited in a shared tree, may still be
+booting them: removing them at once made the two runs rebuild and delete each other's folder).
+$EDGE_AGENT_QEMU_CACHE moves the whole cache elsewhere.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["HERE", "REPO", "cache_root", "cached_build", "inputs_hash", "log"]
+__all__ = ["HERE", "KEEP_OLD_SECONDS", "REPO", "cache_root", "cached_build", "inputs_hash",
+           "log"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+KEEP_OLD_SECONDS = 3600
 
 
 def log(message: str) -> None:
@@ -65,9 +70,11 @@ def cached_build(name: str, key: str, build: Callable[[Path], None], *,
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{name}-{key}"
     if final.is_dir():
+        _used(final, name)
         return final
     with _locked(root / f".{name}.lock"):
         if final.is_dir():
+            _used(final, name)
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         t0 = time.monotonic()
@@ -80,7 +87,21 @@ def cached_build(name: str, key: str, build: Callable[[Path], None], *,
                 shutil.rmtree(tmp, ignore_errors=True)
         log(f"built {final.name} in {time.monotonic() - t0:.1f} s")
         (final / "build-seconds").write_text(f"{time.monotonic() - t0:.1f}\n")
-        for old in root.glob(f"{name}-*"):
-            if old != final and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        _used(final, name)
     return final
+
+
+def _used(final: Path, name: str) -> None:
+    """Mark `final` as used now; remove its siblings (other inputs) unused for an hour."""
+    now = time.time()
+    try:
+        os.utime(final, (now, now))
+    except OSError:
+        pass
+    for old in final.parent.glob(f"{name}-*"):
+        try:
+            stale = old != final and old.is_dir() and now - old.stat().st_mtime > KEEP_OLD_SECONDS
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(old, ignore_errors=True)

@@ -10,12 +10,12 @@ Arm64Guest appends at boot (`extra_initrds=`), so the base guest image never dep
 the tests that do not use it never wait for it.
 
 Invariants: the build lives in $EDGE_AGENT_CACHE (default ~/.cache/edge-agent)/llama-aarch64/
-<version>-<hash>/, where <hash> covers the version, the CMake flags, both cross compilers'
-`--version`, this file and cache.py; change any of them and the next run rebuilds, a warm run
-only hashes. Nothing is downloaded at build time but the sdist (kept in the same cache): curl,
-tools, tests, examples, server and web UI are off. The libraries carry RPATH $ORIGIN and the
-SONAME links, so ctypes' `lib/libllama.so` finds `libggml*.so.0` beside it. OpenMP is off
-(ggml's own thread pool; the guest has one vCPU and no libgomp).
+llama-cpp-python-<version>-<hash>/, where <hash> covers the version, the CMake flags, both cross
+compilers' `--version` and this file; change any of them and the next run rebuilds, a warm run
+only hashes (~0.1 s). Nothing is downloaded at build time but the sdist (kept in the same
+cache): curl, tools, tests, examples, server and web UI are off. The libraries carry RPATH
+$ORIGIN and the SONAME links, so ctypes' `lib/libllama.so` finds `libggml*.so.0` beside it.
+OpenMP is off (ggml's own thread pool; the guest has one vCPU and no libgomp).
 
 Code paths: `-march=armv8.2-a+dotprod+fp16`, the ISA of the Cortex-A76 (RK3588, Raspberry Pi 5),
 which the guest running it emulates (`-cpu cortex-a76`: asimddp and asimdhp in /proc/cpuinfo,
@@ -114,8 +114,8 @@ def toolchain_versions() -> list[str]:
 
 
 def _inputs_key() -> str:
-    files = [Path(__file__).resolve(), cache.HERE / "cache.py"]
-    return cache.inputs_hash(files, [VERSION, ARM_ARCH, *CMAKE_ARGS, *toolchain_versions()])
+    return cache.inputs_hash([Path(__file__).resolve()],
+                             [VERSION, ARM_ARCH, *CMAKE_ARGS, *toolchain_versions()])
 
 
 def _sdist() -> Path:
