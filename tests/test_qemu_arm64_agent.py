@@ -40,7 +40,7 @@ from qemu.guest import Arm64Guest
 from qemu.llama_aarch64 import ARM_ARCH, LlamaAarch64
 from qemu.skips import arm64_image_or_skip, llama_aarch64_or_skip
 
-pytestmark = [pytest.mark.qemu, pytest.mark.timeout(2400)]  # a cold cross build: ~15 min
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(2400)]  # a cold cross build: 5-8 min here
 
 
 @pytest.fixture(scope="module")
