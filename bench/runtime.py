@@ -349,7 +349,7 @@ def bench_anchor(names: list[str], threads: int, rounds: int, tokens: int = 64,
               f"**{res['ratio']:.2f}** ({res['ratio_min']:.2f}-{res['ratio_max']:.2f}) | "
               f"{'met' if res['ratio'] >= 0.95 else 'MISSED'} |")
     busy_all = [b for res in results for b in res["others_busy_cores"]]
-    print(f"other processes kept {statistics.median(busy_all):.2f} CPUs busy before a "
+    print(f"other processes (nice <= 0) kept {statistics.median(busy_all):.2f} CPUs busy before a "
           f"measurement (median; {min(busy_all):.2f}-{max(busy_all):.2f})")
     return results
 

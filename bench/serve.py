@@ -183,11 +183,12 @@ def pct(xs: list[float], p: int) -> float:
 
 # -- the machine ---------------------------------------------------------------------------------
 def busy_cores(window: float = 1.0) -> float:
-    """CPUs kept busy over `window` s (from /proc/stat): between levels our servers are idle,
-    so this is everyone else's load on this shared machine."""
+    """CPUs kept busy over `window` s (from /proc/stat) by processes at nice <= 0: between
+    levels our servers are idle, so this is everyone else's load on this shared machine that
+    competes with us (time of niced processes, which yield to ours, counts as free)."""
     def sample() -> tuple[int, int]:
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(f), f[3] + f[4]  # all, idle + iowait
+        return sum(f), f[1] + f[3] + f[4]  # all, nice + idle + iowait
 
     t0, i0 = sample()
     time.sleep(window)
@@ -228,7 +229,8 @@ def process_tree(pid: int) -> list[int]:
 
 def pss(pid: int) -> dict[str, Any]:
     """PSS (and its anonymous and file parts) summed over `pid`'s process tree, in bytes."""
-    total = {"pss": 0, "pss_anon": 0, "pss_file": 0, "rss": 0, "processes": 0}
+    total: dict[str, Any] = {"pss": 0, "pss_anon": 0, "pss_file": 0, "rss": 0,
+                             "processes": 0, "each": []}
     for p in process_tree(pid):
         try:
             text = Path(f"/proc/{p}/smaps_rollup").read_text()
@@ -241,6 +243,14 @@ def pss(pid: int) -> dict[str, Any]:
         total["pss_file"] += fields.get("Pss_File", 0)
         total["rss"] += fields.get("Rss", 0)
         total["processes"] += 1
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            name = " ".join(a.decode(errors="replace") for a in argv[:4])
+        except OSError:
+            name = "?"
+        total["each"].append({"pid": p, "argv": name, "pss": fields.get("Pss", 0),
+                              "pss_anon": fields.get("Pss_Anon", 0),
+                              "pss_file": fields.get("Pss_File", 0)})
     return total
 
 
@@ -514,6 +524,7 @@ def main() -> int:
     ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="longest wait for --quiet-cpus, seconds (then measure anyway)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--save", default=None, help="also write the JSON results to this file")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     if args.runs < 1:
@@ -577,11 +588,14 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     busy = [r["levels"][c]["others_busy_cores"] for res in results for run in res["runs"]
             for r in run.values() for c in r["levels"]]
-    machine = (f"other processes kept {statistics.median(busy):.2f} CPUs busy before a "
-               f"measurement (median; {min(busy):.2f}-{max(busy):.2f})")
+    machine = (f"other processes (nice <= 0) kept {statistics.median(busy):.2f} CPUs busy "
+               f"before a measurement (median; {min(busy):.2f}-{max(busy):.2f})")
+    doc = json.dumps({"threads": threads, "runs": args.runs, "tokens": args.tokens,
+                      "others_busy_cores": spread(busy), "results": results}, indent=2)
+    if args.save:
+        Path(args.save).write_text(doc + "\n")
     if args.json:
-        print(json.dumps({"threads": threads, "runs": args.runs, "tokens": args.tokens,
-                          "others_busy_cores": spread(busy), "results": results}, indent=2))
+        print(doc)
         return 0
     print_table(results, args.runs)
     print(machine)
