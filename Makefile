@@ -39,7 +39,7 @@ run: venv
 	@echo "edge-agent: serving on $(STATE)/edge-agent.sock (Ctrl-C stops). In another shell:"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/health"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/v1/completions -d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
-	@echo "  $(VENV)/bin/edge-agent status --socket $(STATE)/edge-agent.sock"
+	@echo "  $(VENV)/bin/edge-agent status"
 	@if command -v socat >/dev/null; then \
 	    socat pty,raw,echo=0,link=$(abspath $(STATE))/console pty,raw,echo=0,link=$(abspath $(STATE))/uart & \
 	    socat_pid=$$!; trap "kill $$socat_pid 2>/dev/null" EXIT INT TERM; \

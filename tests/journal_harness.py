@@ -26,6 +26,11 @@ __all__ = ["Daemon", "REPO", "write_config", "start", "kill", "journal_tokens",
            "check_journal", "crash_run", "crash_world", "fill_journal"]
 
 
+# The engine the journal suites run on: the default one (runtime.engine = "auto" picks it when
+# llama-cpp-python is installed); tests/test_daemon_e2e.py runs its suite on both engines.
+ENGINE = "llamacpp"
+
+
 def fill_journal(path: Path, n: int = 200, *, synchronous: str | None = None) -> None:
     """A journal with `n` open requests of 20 tokens each (enough rows to span many pages),
     checkpointed into the main file."""
@@ -43,13 +48,14 @@ def fill_journal(path: Path, n: int = 200, *, synchronous: str | None = None) ->
 
 def write_config(root: Path, state: Path, models: dict[str, tuple[Path | None, bool]], *,
                  journal: bool = True, ack: str = "durable", drain_s: float = 2.0,
-                 max_batch: int = 4, context: int = 128, timeout_ms: int = 600_000) -> Path:
+                 max_batch: int = 4, context: int = 128, timeout_ms: int = 600_000,
+                 engine: str = ENGINE) -> Path:
     """config.toml in root: models maps name -> (GGUF path or None for the default, preload)."""
     text = (f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state}"\n'
             f"drain_timeout_s = {drain_s}\n"
             f"[scheduler]\nqueue_max = 256\nmax_batch_size = {max_batch}\nbatch_window_ms = 0\n"
             f"default_timeout_ms = {timeout_ms}\n"
-            f'[runtime]\nmlock = "off"\nthreads = 1\n'
+            f'[runtime]\nengine = "{engine}"\nmlock = "off"\nthreads = 1\n'
             f'[journal]\nenabled = {str(journal).lower()}\npath = "{root / "journal.sqlite3"}"\n'
             f'ack = "{ack}"\n')
     for name, (path, preload) in models.items():
@@ -137,21 +143,24 @@ def tiny_gguf(path: Path) -> Path:
 
 
 def references(model: Path | None, state: Path, prompts: list[str], max_tokens: int,
-               context: int) -> dict[str, tuple[list[int], str]]:
-    """Uninterrupted in-process temperature-0 runs: prompt -> (token ids, text)."""
-    from edge_agent.runtime.engine import Engine
+               context: int, *, engine: str = ENGINE) -> dict[str, tuple[list[int], str]]:
+    """Uninterrupted in-process temperature-0 runs on `engine`: prompt -> (token ids, text)."""
+    from edge_agent.paths import default_model_path
+    from edge_agent.runtime.engines import load_engine
     from edge_agent.runtime.sampling import SamplingParams
 
     out: dict[str, tuple[list[int], str]] = {}
-    with Engine.load(model, state_dir=state, mlock="off", max_batch=1,
-                     context=context) as engine:
-        tok = engine.tokenizer
-        assert tok is not None
+    loaded = load_engine(engine, model or default_model_path(), state_dir=state, mlock="off",
+                         max_batch=1, context=context, threads=1)
+    try:
+        tok = loaded.tokenizer
         for p in prompts:
             ids: list[int] = []
-            text = "".join(engine.stream_text(tok.encode(p), SamplingParams(
+            text = "".join(loaded.stream_text(tok.encode(p), SamplingParams(
                 max_tokens=max_tokens), on_token=ids.append))
             out[p] = (ids, text)
+    finally:
+        loaded.close()
     return out
 
 

@@ -81,7 +81,8 @@ def two_models(prepared_state_dir: Path) -> Iterator[tuple[Daemon, int]]:
         f'state_dir = "{_own_state(root, prepared_state_dir)}"\n'
         f'tcp = "127.0.0.1:{port}"\nsocket_group = "{_group()}"\n'
         f"[scheduler]\nbatch_window_ms = {WINDOW_MS}\n"
-        f'[runtime]\nmlock = "best-effort"\nthreads = 1\nmemory_budget_bytes = "800M"\n'
+        # one runner fits (~200 MiB on the llama.cpp engine at this context), two do not
+        f'[runtime]\nmlock = "best-effort"\nthreads = 1\nmemory_budget_bytes = "300M"\n'
         f'[journal]\npath = "{root / "journal.sqlite3"}"\n'
         f"[models.smollm2]\ncontext = 256\nmax_batch = 2\npreload = true\n"
         f'[models.other]\npath = "{default_model_path()}"\ncontext = 256\nmax_batch = 2\n'

@@ -101,15 +101,6 @@ def _stream(sock: Path, out: dict[str, Any], started: threading.Event) -> None:
         conn.close()
 
 
-def _numpy_engine(root: Path) -> None:
-    """Pin runtime.engine to numpy in root/config.toml when this build has engines."""
-    from edge_agent.config import RuntimeConfig
-
-    if "engine" in RuntimeConfig.__dataclass_fields__:
-        cfg = root / "config.toml"
-        cfg.write_text(cfg.read_text().replace("[runtime]\n", '[runtime]\nengine = "numpy"\n', 1))
-
-
 def _states(root: Path) -> dict[str, str]:
     raw = sqlite3.connect(root / "journal.sqlite3")
     try:
@@ -160,7 +151,6 @@ def test_sigterm_answers_waiting_clients_and_keeps_their_requests(
         root: Path, shared: dict[str, Any]) -> None:
     state = shared["state"]
     write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT, drain_s=1)
-    _numpy_engine(root)  # the references below are the numpy engine's
     out = _sigterm_mid_generation(root)
     assert out["exit"] == 0, out["log"]
 

@@ -25,12 +25,20 @@ def daemon(tmp_path: Path, env: dict[str, str] | None = None) -> Daemon:
     return Daemon(config, env={"MEMORY_PRESSURE_WATCH": "/dev/null"} if env is None else env)
 
 
+def daemon_on(tmp_path: Path, engine: str) -> Daemon:
+    config = load_config(None, env={}, check_paths=False, overrides={
+        "server.socket": str(tmp_path / "s.sock"), "server.state_dir": str(tmp_path / "state"),
+        "journal.enabled": False, "cgroup.enabled": False, "models.smollm2.context": 256,
+        "runtime.engine": engine})
+    return Daemon(config, env={"MEMORY_PRESSURE_WATCH": "/dev/null"})
+
+
 def test_model_budget_counts_the_runner_process(tmp_path: Path) -> None:
     from edge_agent.runtime.gguf import GGUFFile
     from edge_agent.runtime.model import ModelConfig
     from edge_agent.runtime.prepare import prepared_size
 
-    d = daemon(tmp_path)
+    d = daemon_on(tmp_path, "numpy")
     svc = d.services["smollm2"]
     svc.ensure_tokenizer()
     g = GGUFFile(svc.path())
@@ -39,6 +47,24 @@ def test_model_budget_counts_the_runner_process(tmp_path: Path) -> None:
                               cfg.n_kv_heads, cfg.head_dim, svc.max_batch, svc.context)
     assert svc.budget_bytes == bare + RUNNER_BASE_BYTES
     assert svc.to_dict()["budget_bytes"] == svc.budget_bytes  # what load planning uses too
+
+
+def test_llamacpp_budget_counts_weights_as_stored_kv_buffers_and_process(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    from edge_agent.runtime.engines import (
+        LLAMACPP_RUNNER_BASE_BYTES,
+        llamacpp_budget_bytes,
+        model_facts,
+    )
+
+    d = daemon_on(tmp_path, "llamacpp")
+    svc = d.services["smollm2"]
+    svc.ensure_tokenizer()
+    facts = model_facts(svc.path())
+    assert facts.tensor_bytes < svc.path().stat().st_size  # the GGUF's tensors, no f32 copy
+    assert svc.budget_bytes == llamacpp_budget_bytes(
+        facts, svc.max_batch, svc.context, overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES)
+    assert svc.to_dict()["engine"] == "llamacpp"
 
 
 def _ev(key: str, delta: int, total: int, group: str = "smollm2") -> MemoryEvent:
