@@ -143,6 +143,20 @@ def _kind(mode: int) -> str:
     return "a special file"
 
 
+def _read_upto(fh: io.BufferedReader, most: int, size_hint: int) -> bytes:
+    """Up to `most` bytes, asked for in pieces of the file's size + 1 (at least 1 MiB):
+    read(n) allocates n bytes before it reads, so read(most) would cost the whole limit
+    (flash + 64 MiB) for a 4 KiB ELF. A FIFO or device (/dev/zero) stops at `most` too."""
+    buf = bytearray()
+    step = max(size_hint + 1, 1 << 20)
+    while len(buf) < most:
+        piece = fh.read(min(step, most - len(buf)))
+        if not piece:
+            break
+        buf += piece
+    return bytes(buf)
+
+
 def _read(path: str | os.PathLike[str], profile: McuProfile) -> bytes:
     """The file's bytes, never more than `elf_read_limit` (a device or pipe is read up to it)."""
     name = os.fspath(path)
@@ -160,7 +174,7 @@ def _read(path: str | os.PathLike[str], profile: McuProfile) -> bytes:
                     f"{profile.name} may have ({why}). {too_big}",
                     rule="too-large",
                 )
-            data = fh.read(limit + 1)  # a FIFO or device (/dev/zero) stops here too
+            data = _read_upto(fh, limit + 1, st.st_size if stat.S_ISREG(st.st_mode) else 0)
     except OSError as exc:
         what = exc.strerror or str(exc)
         if isinstance(exc, IsADirectoryError):

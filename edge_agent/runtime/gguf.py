@@ -7,6 +7,10 @@ n_dims × u64 ne (innermost first), u32 ggml_type, u64 offset), padding to `gene
 
 Invariants: every read is bounds-checked against the file size, so a truncated file raises
 ModelFileError naming the file and what was being read, never IndexError or struct.error.
+A length or count is checked against the bytes left before anything is allocated for it (a
+2^60-byte string or a 2^60-element array is refused, not attempted); nested arrays (llama.cpp
+refuses them too), more than 4 dimensions and a non-integer alignment are refused; a refused
+file leaves no mapping open. (tests/test_fuzz_files.py)
 Tensor shapes are exposed in numpy order (outermost first, the reverse of GGUF's `ne`).
 The mapping stays open for the life of the GGUFFile; views into it are zero-copy.
 """
@@ -43,6 +47,7 @@ _NUMPY: dict[int, str] = {
     11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,17 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap, path: Path) -> None:
         self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
 
-    def take(self, n: int, what: str) -> memoryview:
+    def need(self, n: int, what: str) -> None:
+        """Raise unless `n` more bytes are in the file (nothing read or allocated)."""
         if n < 0 or self.pos + n > self.size:
             raise ModelFileError(
                 f"{self.path}: truncated GGUF file: reading {what} needs {n} bytes at offset "
                 f"{self.pos}, but the file is {self.size} bytes. "
                 "Hint: the download or copy was cut short; fetch the file again."
             )
+
+    def take(self, n: int, what: str) -> memoryview:
+        self.need(n, what)
         view = memoryview(self.buf)[self.pos : self.pos + n]
         self.pos += n
         return view
@@ -104,7 +113,16 @@ class _Cursor:
                 size = _SCALARS[elem][1]
                 raw = self.take(count * size, f"array {key!r}")
                 return np.frombuffer(raw, dtype=_NUMPY[elem]).tolist()
-            return [self.value(elem, key) for _ in range(count)]
+            if elem != _STRING:  # llama.cpp refuses nested arrays too; no unbounded recursion
+                raise ModelFileError(
+                    f"{self.path}: metadata key {key!r} is an array of element type {elem} "
+                    f"({'nested arrays' if elem == _ARRAY else 'unknown'}) at offset "
+                    f"{self.pos}. Hint: the file is corrupt or from a newer GGUF version."
+                )
+            # each string takes at least its 8-byte length: a count the file cannot hold is
+            # refused before a list is built for it
+            self.need(count * 8, f"array {key!r} of {count} strings")
+            return [self.string(f"element of {key!r}") for _ in range(count)]
         raise ModelFileError(
             f"{self.path}: metadata key {key!r} has unknown value type {type_id} at offset "
             f"{self.pos}. Hint: the file is corrupt or from a newer GGUF version."
@@ -142,7 +160,11 @@ class GGUFFile:
             self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        self._parse()
+        try:
+            self._parse()
+        except BaseException:
+            self._map.close()  # a refused file leaves no mapping behind
+            raise
 
     def _check_magic(self, head: bytes) -> None:
         if head[:4] != GGUF_MAGIC:
@@ -170,16 +192,23 @@ class GGUFFile:
             vtype = cur.scalar(4, f"value type of {key!r}")
             metadata[key] = cur.value(vtype, key)
         self.metadata: Mapping[str, Any] = metadata
-        self.alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+                or alignment & (alignment - 1)):
             raise ModelFileError(
-                f"{self.path}: general.alignment = {self.alignment} is not a power of two. "
+                f"{self.path}: general.alignment = {alignment!r:.40} is not a power of two. "
                 "Hint: the file is corrupt."
             )
+        self.alignment = alignment
         raw_infos = []
         for i in range(n_tensors):
             name = cur.string(f"tensor name #{i}")
             n_dims = cur.scalar(4, f"dimension count of {name!r}")
+            if n_dims > _MAX_DIMS:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has dimension count {n_dims}, more than "
+                    f"GGML's {_MAX_DIMS}. Hint: the file is corrupt."
+                )
             ne = [cur.scalar(10, f"dimension of {name!r}") for _ in range(n_dims)]
             type_id = cur.scalar(4, f"type of {name!r}")
             offset = cur.scalar(10, f"offset of {name!r}")
