@@ -98,6 +98,19 @@ def test_typed_lines_round_trip_whatever_the_chunking(data: st.DataObject, lines
                             else _echoed_prefix(line, 64) + b"\r\n" for line in lines)
 
 
+@FUZZ
+@given(before=LINE_TEXT, after=LINE_TEXT, noise=st.sampled_from(
+    [bytes([b]) for b in range(0x20) if b not in (0x03, 0x08, 0x09, 0x0A, 0x0D, 0x15, 0x1B)]),
+    ending=st.sampled_from([b"\r", b"\n", b"\r\n"]))
+def test_a_line_with_a_stray_control_byte_is_discarded_whole(before: str, after: str,
+                                                             noise: bytes, ending: bytes) -> None:
+    ed = con.LineEditor(max_line=512)
+    events, _ = ed.feed(before.encode() + noise + after.encode() + ending + b"help" + ending)
+    assert len(events) == 2 and isinstance(events[0], con.InputError), events
+    assert f"control byte 0x{noise[0]:02x}" in events[0].message
+    assert events[1] == con.Line("help")  # the console carries on
+
+
 def _echoed_prefix(line: str, limit: int) -> bytes:
     """What is echoed of an overlong line: the whole characters within the first `limit` bytes."""
     return line.encode()[:limit].decode("utf-8", "ignore").encode()
