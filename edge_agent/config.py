@@ -27,7 +27,7 @@ from typing import Any
 from edge_agent import config_schema as schema
 from edge_agent import paths
 from edge_agent.errors import ConfigError
-from edge_agent.filekind import not_regular
+from edge_agent.filekind import FileKindError, MiB, not_regular, read_regular
 from edge_agent.host_profiles import HostProfile, load_host_profile
 from edge_agent.paths import default_model_path
 from edge_agent.scheduler.jobs import SchedulerConfig
@@ -232,19 +232,29 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+CONFIG_MAX_BYTES = MiB  # a configuration file is a few KiB; a larger "file" is a wrong path
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        raw = read_regular(path, CONFIG_MAX_BYTES)
+    except FileKindError as exc:  # a directory, FIFO, device, missing, or larger than 1 MiB
+        raise ConfigError(
+            f"reading configuration {path}: {exc}. "
+            "Hint: check the --config path; a configuration is a TOML file of at most 1 MiB "
+            "that this user may read."
+        ) from exc
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"reading configuration {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            "Hint: TOML files are UTF-8; check the path points at the configuration."
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             f"reading configuration {path}: not valid TOML ({exc}). "
             "Hint: fix the syntax at that line; `python3 -m tomllib` style checkers show it."
-        ) from exc
-    except OSError as exc:
-        raise ConfigError(
-            f"reading configuration {path}: {exc.strerror or exc}. "
-            "Hint: check the path and that this user may read it."
         ) from exc
 
 
@@ -299,14 +309,16 @@ def load_config(
     entries = schema.flatten(_builtin_layer(env), BUILTIN_SOURCE)
 
     file_path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    if path is not None and not file_path.is_file():
+    wrong = not_regular(file_path)  # what the path is: missing, a directory, a FIFO, ...
+    # the optional default is skipped when absent or unreachable, not when it is a directory
+    if wrong is not None and (path is not None or wrong.startswith("is ")):
         raise ConfigError(
             f"configuration file {file_path}: "
-            f"{'is not a regular file' if file_path.exists() else 'does not exist'}. "
+            f"{'does not exist' if wrong == 'no such file' else wrong}. "
             f"Hint: check the --config path, or omit --config to use {DEFAULT_CONFIG_PATH} "
             "(optional) and the built-in defaults."
         )
-    if file_path.is_file():
+    if wrong is None:
         data = _read_toml(file_path)
         src = schema.Source(str(file_path), f"edit {file_path}", file_path.parent.resolve())
         entries += schema.flatten(data, src)

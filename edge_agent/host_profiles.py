@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from edge_agent.errors import ConfigError
+from edge_agent.filekind import FileKindError, MiB, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,18 +52,28 @@ def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
     return [Path("/etc/edge-agent/board_profiles"), checkout]
 
 
+PROFILE_MAX_BYTES = MiB  # a board profile is a few KiB; a larger "file" is a wrong path
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        raw = read_regular(path, PROFILE_MAX_BYTES)
+    except FileKindError as exc:  # a directory, FIFO, device, missing, or larger than 1 MiB
+        raise ConfigError(
+            f"board profile {path}: cannot read it ({exc}). "
+            "Hint: check the path and its permissions; a profile is a TOML file of at most "
+            "1 MiB."
+        ) from exc
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"board profile {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            "Hint: TOML files are UTF-8; check the path points at a profile."
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             f"board profile {path}: not valid TOML ({exc}). Hint: fix the syntax at that line."
-        ) from exc
-    except OSError as exc:
-        raise ConfigError(
-            f"board profile {path}: cannot read it ({exc.strerror or exc}). "
-            "Hint: check the path and its permissions."
         ) from exc
 
 
@@ -82,7 +93,7 @@ def list_host_profiles(dirs: list[Path] | None = None) -> list[str]:
 def _find(name: str, dirs: list[Path]) -> Path:
     if name.endswith(".toml") or "/" in name:
         path = Path(name)
-        if not path.is_file():
+        if not path.exists():  # a directory, FIFO or device: _read says which
             raise ConfigError(
                 f"board profile {path}: no such file. Hint: check the --board path, or give a "
                 f"profile name ({', '.join(list_host_profiles(dirs)) or 'none found'})."

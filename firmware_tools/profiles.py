@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -195,18 +196,54 @@ def profile_dir() -> Path:
     return here / "profiles"
 
 
+PROFILE_MAX_BYTES = 1 << 20  # a profile is a few KiB; a larger "file" is a wrong path
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _read_bounded(path: Path) -> bytes:
+    """A regular file of at most PROFILE_MAX_BYTES; OSError or ValueError saying what is wrong.
+    Stat first and open non-blocking, so a FIFO is never waited on; a device never read."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        what = next((name for test, name in _KINDS if test(st.st_mode)), "a special file")
+        raise ValueError(f"it is {what}, not a regular file")
+    if st.st_size > PROFILE_MAX_BYTES:
+        raise ValueError(f"{st.st_size} bytes, more than the {PROFILE_MAX_BYTES}-byte limit")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+            raise ValueError("it is not a regular file")
+        data = fh.read(PROFILE_MAX_BYTES + 1)
+    if len(data) > PROFILE_MAX_BYTES:
+        raise ValueError(f"more than the {PROFILE_MAX_BYTES}-byte limit")
+    return data
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        text = _read_bounded(path).decode("utf-8")
+        return tomllib.loads(text)
     except OSError as exc:
         raise ProfileError(
             f"board profile {path}: cannot read it ({exc.strerror or exc}). "
             "Hint: check the path, or pass a profile name from `edge-agent flash check --help`."
         ) from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(
+            f"board profile {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            "Hint: check the path points at a .toml board profile."
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(
             f"board profile {path}: not valid TOML ({exc}). Hint: fix the syntax at that line."
+        ) from exc
+    except ValueError as exc:  # not a regular file, or too large
+        raise ProfileError(
+            f"board profile {path}: cannot read it ({exc}). Hint: check the path, or pass a "
+            "profile name from `edge-agent flash check --help`; a profile is a TOML file of at "
+            "most 1 MiB."
         ) from exc
 
 
