@@ -10,7 +10,8 @@ Properties:
   section table, and the example firmware when arm-none-eabi-gcc is installed) returns a
   FlashImage or raises ElfImageError naming the path with a Hint; the heap stays bounded.
 
-Budget: 300 GGUF and 300 ELF examples, no deadline; the module runs in well under 30 s.
+Budget: 300 examples for the GGUF and 300 for each ELF seed, no deadline; the module runs in
+about 5 s.
 """
 
 from __future__ import annotations
