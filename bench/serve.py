@@ -111,11 +111,20 @@ def http_get(port: int, path: str) -> tuple[int, bytes]:
 
 def one_client(port: int, prompt: str, tokens: int, out: dict[str, Any],
                barrier: threading.Barrier) -> None:
+    try:
+        _client(port, prompt, tokens, out, barrier)
+    except BaseException as exc:
+        barrier.abort()  # nobody waits for a client that failed before the start
+        out["error"] = repr(exc)
+
+
+def _client(port: int, prompt: str, tokens: int, out: dict[str, Any],
+            barrier: threading.Barrier) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0,
                        "stream": True})
     conn.connect()
-    barrier.wait()  # every client connected: they send at the same instant
+    barrier.wait(60)  # every client connected: they send at the same instant
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body=body,
                  headers={"Content-Type": "application/json"})
@@ -157,12 +166,15 @@ def round_(port: int, c: int, tokens: int) -> dict[str, Any]:
                for i, p in enumerate(prompts(c))]
     for t in threads:
         t.start()
-    barrier.wait()  # every client connected: from here, all send at once
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    if any("end" not in r for r in results):
-        raise RuntimeError(f"a client failed at C={c}")
+    try:
+        barrier.wait(60)  # every client connected: from here, all send at once
+    finally:
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+    failed = [r["error"] for r in results if "end" not in r]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {c} clients failed at C={c}: {failed[0]}")
     wall = max(r["end"] - start for r in results)
     total = sum(r["tokens"] for r in results)
     ttft = sorted(r.get("ttft", r["latency"]) for r in results)
