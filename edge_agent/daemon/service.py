@@ -5,8 +5,15 @@ Invariants owned here:
   steps are strictly ordered. Each loop turn sends ONE message: releases (finished, cancelled
   or expired sequences), prefill of the jobs `Scheduler.take` starts now, one decode step of the
   sequences already running. New sequences therefore join at the next step (continuous batching).
-- A sequence is released in the very next message after its job ends for any reason, so KV
-  blocks are freed within one step of a cancel, a deadline or a disconnect.
+- One step of lookahead: a turn sends the next message BEFORE it takes in the previous reply,
+  so the runner never waits for the control plane between steps. A sequence whose token is
+  still in flight is stepped ahead only when that token cannot end it by length (its KV never
+  outgrows the context); one that the in-flight token ends (end-of-sequence, a stop string, a
+  cancel) costs one wasted step whose token is dropped. Tokens are taken in, journaled and
+  streamed in step order, exactly as without lookahead.
+- A sequence is released in the first message built after its job ends for any reason (at
+  most two steps later), so KV slots are freed within two steps of a cancel, a deadline or a
+  disconnect.
 - A runner death (EOF on its socketpair) requeues every running job through
   `Scheduler.requeue` and sets the model back to UNLOADED; the loop reloads it at once when
   jobs wait. A job that produced a token in the attempt that ended is always requeued (a
@@ -83,6 +90,10 @@ class ModelService:
         self.total_blocks: int | None = None
         self.loaded = asyncio.Event()  # set while SERVING/IDLE
         self.task: asyncio.Task[None] | None = None
+        # the step sent to the runner whose reply is not taken in yet (one step of lookahead)
+        self._inflight: asyncio.Future[dict[str, Any]] | None = None
+        self._inflight_size = 0
+        self._pending_ids: set[str] = set()  # sequences with a token in that reply
         self._load_progress: tuple[int, int] | None = None
 
     # -- control-plane helpers -----------------------------------------------------------------
@@ -244,6 +255,9 @@ class ModelService:
             await self._wait(self.daemon.wait_timeout(now))
             return
         if not self.active and not new and not self.to_release:
+            if self._inflight is not None:  # take in the last reply (free slots) before idling
+                await self._drain_inflight()
+                return
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
             if self.unload_requested or self.daemon.stopping or self.lifecycle.should_unload(
@@ -268,6 +282,10 @@ class ModelService:
             await journal.commit_step()
 
     async def _step_inner(self, new: list[Any], now: float) -> None:
+        """Send the next step, then take in the previous step's reply. The runner always has
+        the next message queued before it finishes the current step (one step of lookahead),
+        so the control plane's work on a reply (detokenize, stop strings, journal, streams)
+        runs while the runner computes instead of between its steps."""
         assert self.runner is not None
         adds = []
         for job in new:
@@ -277,18 +295,38 @@ class ModelService:
             adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params,
                          "generated": list(rec.tokens)})  # resume by prefill
         self.daemon.journal.started([a["id"] for a in adds])
-        step_ids = [jid for jid in self.active if jid not in {a["id"] for a in adds}]
+        added = {a["id"] for a in adds}
+        step_ids = [jid for jid, rec in self.active.items()
+                    if jid not in added and self._may_step(jid, rec)]
         msg = {"op": "step", "release": self.to_release, "add": adds, "step": step_ids}
         self.to_release = []
+        prev, prev_size = self._inflight, self._inflight_size
+        self._inflight = asyncio.ensure_future(self.runner.call(msg))
+        self._inflight_size = len(adds) + len(step_ids)
+        self._pending_ids = added | set(step_ids)
+        if prev is None:
+            return  # the first step since the runner (re)started: its reply comes next turn
         try:
-            reply = await self.runner.call(msg)
+            reply = await prev
         except RunnerGone:
             self._runner_lost(time.monotonic())
             return
+        self._take_reply(reply, prev_size)
+
+    def _may_step(self, jid: str, rec: RequestRecord) -> bool:
+        """Whether `jid` can be in the message sent before the in-flight reply is read. A
+        sequence with a token in flight is stepped ahead only when that token cannot end it
+        by length (so its KV never outgrows the context); one that ends by end-of-sequence
+        or a stop string costs one wasted step, released in the next message."""
+        if jid not in self._pending_ids:
+            return True
+        return len(rec.tokens) + 1 < rec.max_new
+
+    def _take_reply(self, reply: dict[str, Any], size: int) -> None:
         now = time.monotonic()
         self.free_blocks = reply.get("free_blocks")
-        self.daemon.metrics.observe_step(self.name, len(adds) + len(step_ids),
-                                         len(reply.get("tokens", {})), reply.get("step_s", 0.0))
+        self.daemon.metrics.observe_step(self.name, size, len(reply.get("tokens", {})),
+                                         reply.get("step_s", 0.0))
         for jid, message in reply.get("errors", {}).items():
             rec = self.active.pop(jid, None)
             self.to_release.append(jid)
@@ -297,7 +335,7 @@ class ModelService:
         for jid, token in reply.get("tokens", {}).items():
             rec = self.active.get(jid)
             if rec is None:
-                continue
+                continue  # finished, cancelled or failed before this reply: already released
             if rec.done.is_set():  # cancelled or expired while the step ran
                 del self.active[jid]
                 self.to_release.append(jid)
@@ -309,6 +347,34 @@ class ModelService:
                 del self.active[jid]
                 self.to_release.append(jid)
                 self.daemon.complete_record(rec, now)
+
+    async def _drain_inflight(self) -> None:
+        """Wait for the in-flight step and take in its reply (no new message is sent)."""
+        prev, size = self._inflight, self._inflight_size
+        self._inflight = None
+        self._pending_ids = set()
+        if prev is None:
+            return
+        try:
+            reply = await prev
+        except RunnerGone:
+            self._runner_lost(time.monotonic())
+            return
+        journal = self.daemon.journal
+        journal.begin_step()
+        try:
+            self._take_reply(reply, size)
+        finally:
+            await journal.commit_step()
+
+    def _forget_inflight(self) -> None:
+        """Drop the in-flight step (its runner is gone or going): nothing waits on it."""
+        task, self._inflight = self._inflight, None
+        self._pending_ids = set()
+        if task is not None:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not task.done():
+                task.cancel()
 
     # -- load / unload / loss --------------------------------------------------------------------
     def _runner_args(self) -> list[str]:
@@ -389,6 +455,7 @@ class ModelService:
             runner = RunnerHandle(self.name, self._runner_args(), env=env,
                                   on_event=self._on_runner_event, on_gone=self.poke,
                                   on_spawn=attach)
+            self._forget_inflight()
             self.runner = runner
             ready = await runner.start()
         except Exception as exc:  # noqa: BLE001 - any failure must leave LOADING (FAILED)
@@ -435,6 +502,10 @@ class ModelService:
         now = time.monotonic()
         self.unload_requested = False
         self.lifecycle.start_unload(now)
+        if self._inflight is not None:  # nothing is active: its reply only has stale tokens
+            with contextlib.suppress(RunnerGone, asyncio.CancelledError):
+                await self._inflight
+            self._forget_inflight()
         if self.runner is not None:
             await self.runner.stop()
             self.runner = None
@@ -459,6 +530,7 @@ class ModelService:
                       if len(rec.tokens) > rec.attempt_start}
         self.active.clear()
         self.to_release = []
+        self._forget_inflight()
         for job in self.daemon.scheduler.requeue(ids, now, reason=reason,
                                                  progressed=progressed):
             rec = self.daemon.records.get(job.id)
