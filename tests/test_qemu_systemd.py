@@ -146,6 +146,14 @@ def test_health_and_a_completion(facts: dict[str, Any]) -> None:
     assert reply["usage"]["completion_tokens"] == 6
 
 
+def test_weights_locked_under_the_hardened_unit(facts: dict[str, Any]) -> None:
+    """The unit's hardening (system-call filter, no new privileges, MemoryDenyWriteExecute, ...)
+    leaves mlock working: CAP_IPC_LOCK and LimitMEMLOCK=infinity reach the runner."""
+    lock = facts["cgroups"]["mlock"]["tiny"]
+    assert lock is not None and lock["locked"] is True, lock
+    assert lock["error"] is None and lock["vmlck_bytes"] >= lock["weight_bytes"] > 0, lock
+
+
 def test_daemon_and_runner_cgroup_leaves(facts: dict[str, Any]) -> None:
     cg = facts["cgroups"]
     svc = cg["control_group"]

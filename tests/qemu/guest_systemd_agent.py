@@ -155,6 +155,7 @@ def serve_and_cgroups() -> None:
     emit("cgroups", main_pid=main, main_cgroup=cgroup_of(main), control_group=state[
         "ControlGroup"], runners={n: [p, cgroup_of(p) if p else None] for n, p in runners.items()},
         health_cgroup=h.get("cgroup"), pressure=h.get("pressure"),
+        mlock={n: m.get("mlock") for n, m in h["models"].items()},
         pressure_file_owners=owners, service_uid=os.stat(f"/proc/{main}").st_uid,
         kernel=os.uname().release, main_caps=caps(main),
         runner_caps={n: caps(p) for n, p in runners.items() if p},
