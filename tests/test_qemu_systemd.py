@@ -4,9 +4,11 @@ One boot, several facts (tests/qemu/guest_systemd_agent.py prints them, the test
 the units come from `edge-agent systemd install` (then sysusers, tmpfiles, daemon-reload, as
 the installer tells a user); the unit stays `activating` while the daemon answers /health 503
 "loading" and turns `active (running)` only after READY=1; `systemctl status` shows our STATUS=
-text; the daemon and its runner sit in their cgroup leaves; PSI triggers are armed on the
-groups the daemon owns and a stall under models/ fires one; a frozen main loop (SIGSTOP) is
-caught by the watchdog and the service restarted; `systemctl stop` drains a running request.
+text; the daemon and its runner sit in their cgroup leaves; the UART console on ttyS2 (group
+dialout, reached through the unit's SupplementaryGroups=) answers on the null modem's far end;
+PSI triggers are armed on the groups the daemon owns and a stall under models/ fires one; a
+frozen main loop (SIGSTOP) is caught by the watchdog and the service restarted; `systemctl
+stop` drains a running request.
 The model is a tiny random llama with the default model's tokenizer (tests/qemu/tiny_model.py),
 so the boot measures the service, not TCG matrix products.
 """
@@ -41,6 +43,9 @@ drain_timeout_s = 45  # below TimeoutStopSec=60: systemd must never have to kill
 
 [cgroup]
 policy = "tiny-board"
+
+[serial]
+port = "/dev/ttyS2"  # the harness's null modem; the guest script types into ttyS3
 """
 
 # Absolute limits: the shipped policies are relative to the model's computed budget (weights +
@@ -85,7 +90,8 @@ def facts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
              "tiny.gguf": tiny.read_bytes(), "watchdog.conf": WATCHDOG_DROPIN,
              "policy.toml": POLICY}
     t0 = time.monotonic()
-    with SystemdGuest("python3 /ea/drive.py", image=image, files=files) as guest:
+    with SystemdGuest("python3 /ea/drive.py", image=image, files=files,
+                      null_modem=True) as guest:
         r = guest.wait(timeout=480)
     out: dict[str, Any] = {"_wall": time.monotonic() - t0, "_rc": r.rc, "_output": r.output}
     for line in r.output.splitlines():
@@ -152,6 +158,23 @@ def test_weights_locked_under_the_hardened_unit(facts: dict[str, Any]) -> None:
     lock = facts["cgroups"]["mlock"]["tiny"]
     assert lock is not None and lock["locked"] is True, lock
     assert lock["error"] is None and lock["vmlck_bytes"] >= lock["weight_bytes"] > 0, lock
+
+
+def test_serial_console_answers_under_the_hardened_unit(facts: dict[str, Any]) -> None:
+    """No PrivateDevices=, SupplementaryGroups=dialout and a system-call filter that keeps the
+    tty ioctls and flock: the daemon, user edge-agent, opens ttyS2 (udev's root:dialout 0660)
+    and its console answers `status` typed on the other end of the wire."""
+    ser = facts["serial"]
+    assert "error" not in ser, ser
+    assert ser["device"] == {"path": "/dev/ttyS2", "group": "dialout", "mode": "0o660"}, ser
+    assert ser["main_uid"] != 0 and ser["dialout_gid"] in ser["main_groups"], ser
+    assert ser["held_fds"], ser  # the daemon itself holds the port open
+    assert any("serial /dev/ttyS2: open" in ln for ln in ser["serial_log"]), ser
+    assert ser["prompt"].endswith("edge> "), ser
+    status = ser["status"]
+    assert "state: serving" in status and "tiny" in status, ser
+    assert status.endswith("\r\nedge> "), ser  # CRLF line ends, then the prompt again
+    print(f"UART console: prompt and status in {ser['seconds']} s")
 
 
 def test_daemon_and_runner_cgroup_leaves(facts: dict[str, Any]) -> None:

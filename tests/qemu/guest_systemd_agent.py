@@ -1,9 +1,11 @@
 """Runs INSIDE the systemd guest (python3, as root): install edge-agent the way a user does, start
-it with systemctl, make a memory hog stall under models/ so the daemon's PSI trigger fires,
+it with systemctl, type into its UART console (serial.port = ttyS2, wired to ttyS3 by the
+harness's null modem), make a memory hog stall under models/ so the daemon's PSI trigger fires,
 freeze it for the watchdog, stop it while a request runs. Prints one JSON object per fact
 (`{"step": ..., ...}`) on stdout; the host test asserts on them.
 
-Inputs on the payload disk (/ea): config.toml (-> /etc/edge-agent/config.toml), policy.toml
+Inputs on the payload disk (/ea): config.toml (-> /etc/edge-agent/config.toml, its serial.port
+is ttyS2), policy.toml
 (the cgroup policy it names), tiny.gguf (the model it names), watchdog.conf (a drop-in for
 edge-agent.service). Invariants: never waits without a bound; every systemctl call's output
 is reported, not interpreted here; the hog's group (models/probe) is gone before the watchdog
@@ -26,6 +28,8 @@ from typing import Any
 __all__ = ["main"]
 
 UNIT = "edge-agent.service"
+UART = "/dev/ttyS2"       # the daemon's serial.port (config.toml)
+UART_PEER = "/dev/ttyS3"  # the other end of the null modem
 SOCK = "/run/edge-agent/edge-agent.sock"
 PROPS = ["ActiveState", "SubState", "MainPID", "NRestarts", "StatusText", "Result",
          "ExecMainStatus", "ExecMainCode", "ControlGroup", "WatchdogUSec",
@@ -164,6 +168,52 @@ def serve_and_cgroups() -> None:
         tree=cgroup_tree(state["ControlGroup"]))
 
 
+def serial_console() -> None:
+    """The daemon (user edge-agent, SupplementaryGroups=dialout) holds ttyS2; typed into ttyS3,
+    Enter gives the prompt and `status` answers."""
+    import grp
+
+    import serial
+
+    main = int(show()["MainPID"])
+    st = os.stat(UART)
+    held = []
+    for fd in Path(f"/proc/{main}/fd").iterdir():
+        try:
+            if os.readlink(fd) == UART:
+                held.append(int(fd.name))
+        except OSError:
+            pass
+    groups = next(ln.split(":", 1)[1].split() for ln in Path(f"/proc/{main}/status")
+                  .read_text().splitlines() if ln.startswith("Groups:"))
+    log = sh("journalctl", "--no-pager", "-o", "cat", "-u", UNIT).stdout
+    transcript = bytearray()
+    prompt = status = b""
+    t0 = time.monotonic()
+    with serial.Serial(UART_PEER, 115200, timeout=0.2) as port:
+
+        def expect(needle: bytes, until: float) -> bytes:
+            start = len(transcript)
+            while needle not in transcript[start:] and time.monotonic() < until:
+                transcript.extend(port.read(4096))
+            return bytes(transcript[start:])
+
+        deadline = time.monotonic() + 60
+        while b"edge> " not in prompt and time.monotonic() < deadline:
+            port.write(b"\r")
+            prompt = expect(b"edge> ", min(deadline, time.monotonic() + 3))
+        if b"edge> " in prompt:
+            port.write(b"status\r")
+            status = expect(b"edge> ", time.monotonic() + 60)
+    emit("serial", device={"path": UART, "group": grp.getgrgid(st.st_gid).gr_name,
+                           "mode": oct(st.st_mode & 0o777)},
+         dialout_gid=grp.getgrnam("dialout").gr_gid, main_pid=main,
+         main_uid=os.stat(f"/proc/{main}").st_uid, main_groups=[int(g) for g in groups],
+         held_fds=held, serial_log=[ln for ln in log.splitlines() if "serial" in ln],
+         prompt=prompt.decode("utf-8", "replace"), status=status.decode("utf-8", "replace"),
+         seconds=round(time.monotonic() - t0, 2))
+
+
 HOG = """
 import time
 end = time.monotonic() + 45
@@ -276,6 +326,10 @@ def main() -> int:
         emit("journal", text=log[-6000:])
         return 1
     serve_and_cgroups()
+    try:
+        serial_console()
+    except Exception as exc:  # noqa: BLE001 - reported; the steps after it still run
+        emit("serial", error=f"{type(exc).__name__}: {exc}")
     pressure_probe()
     watchdog()
     stop_while_running()

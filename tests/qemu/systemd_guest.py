@@ -8,7 +8,10 @@ The command runs as root from ea-run.service, after multi-user.target, with the 
 mounted at /ea: /ea/cmd (the command), the `files` given (relative to /ea), and /ea/src (the
 project's source; /opt/edge-agent points there). The command's output goes to ttyS1 (out.log),
 the console (kernel, systemd) to ttyS0 (console.log). Files the command leaves in /ea can be read
-back after the boot with `read_payload()` until the guest is closed.
+back after the boot with `read_payload()` until the guest is closed. With null_modem=True the
+guest has two more 16550s wired to each other (a null-modem cable: a Unix socket in the work
+folder, QEMU both ends): ttyS2 (0x3e8, IRQ 5) for the daemon's `serial.port` and ttyS3 (0x2e8,
+IRQ 7) for the command to type into; own IRQs, since two ISA UARTs on one line lose interrupts.
 
 Invariants: as for every QemuGuest (QEMU killed on close, timeouts everywhere); the cached root
 image is attached with snapshot=on, so no boot changes it; `-cpu max` (x86_64 TCG: numpy wheels
@@ -32,9 +35,11 @@ class SystemdGuest(QemuGuest):
     disks: /dev/vdc, /dev/vdd, ..."""
 
     def __init__(self, command: str, *, image: SystemdImage | None = None,
-                 files: Mapping[str, bytes] | None = None, **kwargs: object) -> None:
+                 files: Mapping[str, bytes] | None = None, null_modem: bool = False,
+                 **kwargs: object) -> None:
         super().__init__(command, files=files, **kwargs)  # type: ignore[arg-type]
         self.image = image
+        self.null_modem = null_modem
         self.payload: Path | None = None
 
     def __enter__(self) -> SystemdGuest:
@@ -77,8 +82,19 @@ class SystemdGuest(QemuGuest):
             "-device", "virtio-blk-pci,drive=root",
             *drive_args([self.payload], first=1),
             *drive_args(self.disks, first=2),
+            *(self._null_modem_args() if self.null_modem else []),
             *self.qemu_args,
         ]
+
+    def _null_modem_args(self) -> list[str]:
+        """ttyS2 <-> ttyS3: the first chardev listens on the socket (no wait), the second,
+        created after it, connects to it."""
+        assert self.workdir is not None
+        sock = self.workdir / "uart.sock"
+        return ["-chardev", f"socket,id=uart,path={sock},server=on,wait=off",
+                "-device", "isa-serial,chardev=uart,index=2,iobase=0x3e8,irq=5",
+                "-chardev", f"socket,id=uartpeer,path={sock},server=off",
+                "-device", "isa-serial,chardev=uartpeer,index=3,iobase=0x2e8,irq=7"]
 
     def read_payload(self, path: str) -> bytes | None:
         """A file the command left on the payload disk (path relative to /ea)."""
