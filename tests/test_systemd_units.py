@@ -189,7 +189,7 @@ def test_sysusers_and_tmpfiles_apply_to_a_scratch_root(tmp_path: Path) -> None:
     assert (root / "run" / "edge-agent").stat().st_uid == uid
 
 
-# ---- hardening (issue 18: systemd-analyze security <= 2.0) ----------------------------------
+# ---- hardening (systemd-analyze security <= 2.0) -------------------------------------------
 def test_service_hardening_without_tcp() -> None:
     d = directives(render_units()["edge-agent.service"])
     for key, value in {"SystemCallFilter": "@system-service", "SystemCallErrorNumber": "EPERM",
