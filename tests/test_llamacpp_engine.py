@@ -223,3 +223,22 @@ def test_errors_name_the_input(engine: LlamaCppEngine, tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="truncated") as exc:
         LlamaCppEngine.load(cut, mlock="off")
     assert str(cut) in str(exc.value) and "Hint:" in str(exc.value)
+
+
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_numpy_tokenizer_tokenizes_as_llama_cpp(tokenizer: object, parse_special: bool) -> None:
+    """Both engines' tokenizers answer /tokenize alike: control-token text parsed only when
+    asked, BOS only when asked (llama.cpp's own vocabulary is the oracle)."""
+    from edge_agent.runtime.llama_vocab import LlamaVocab
+
+    vocab = LlamaVocab.load(default_model_path())
+    try:
+        for text in ["<|im_start|>user\nHi<|im_end|>\n", "plain text, <|im_end|> inside",
+                     "héllo 🙂 <|endoftext|>"]:
+            for add_bos in (False, True):
+                ours = tokenizer.tokenize(text, add_bos=add_bos,  # type: ignore[attr-defined]
+                                          parse_special=parse_special)
+                assert ours == vocab.tokenize(text, add_bos=add_bos,
+                                              parse_special=parse_special), text
+    finally:
+        vocab.close()

@@ -274,8 +274,9 @@ class Router:
     async def tokenize(self, req: Request) -> Reply:
         treq = parse_tokenize(req.body)
         _, tok = self._tokenizer(treq.model)
-        add_bos = treq.add_special and bool(getattr(tok, "add_bos", False))
-        ids = encode_text(tok, treq.content, add_bos=add_bos, parse_special=treq.parse_special)
+        add_bos = treq.add_special and bool(tok.add_bos)
+        ids = [int(i) for i in tok.tokenize(treq.content, add_bos=add_bos,
+                                            parse_special=treq.parse_special)]
         if not treq.with_pieces:
             return _json(200, {"tokens": ids})
         return _json(200, {"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))}
@@ -351,26 +352,3 @@ def _piece(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
-
-
-def encode_text(tok: Any, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
-    """Token ids of `text` with the model's tokenizer; with parse_special, the text of a control
-    token (`<|im_start|>`) is that token, as llama-server's /tokenize does by default."""
-    native = getattr(tok, "tokenize", None)
-    if callable(native):  # llama.cpp's vocabulary parses special text itself
-        return [int(i) for i in native(text, add_bos=add_bos, parse_special=parse_special)]
-    ids: list[int] = [tok.bos_id] if add_bos and tok.bos_id is not None else []
-    specials = {tok.token_text(i): i for i in getattr(tok, "special_ids", ()) if
-                tok.token_text(i)} if parse_special else {}
-    if not specials:
-        return ids + [int(i) for i in tok.encode(text)]
-    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
-    at = 0
-    for m in pattern.finditer(text):
-        if m.start() > at:
-            ids += tok.encode(text[at:m.start()])
-        ids.append(specials[m.group()])
-        at = m.end()
-    if at < len(text):
-        ids += tok.encode(text[at:])
-    return [int(i) for i in ids]

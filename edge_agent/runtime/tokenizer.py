@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
@@ -225,6 +226,28 @@ class Tokenizer:
                     ids.extend(self._hf.encode(fragment, add_special_tokens=False).ids)
                 except TypeError as exc:  # the Rust side refuses str that is not UTF-8-able
                     raise _invalid_text(fragment) from exc
+        return ids
+
+    def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+        """llama.cpp's `llama_tokenize` semantics (as `LlamaVocab.tokenize`): `add_bos` adds
+        BOS only where the vocabulary uses one (`tokenizer.ggml.add_bos_token`); with
+        `parse_special`, the text of a control token (`<|im_start|>`) is that token."""
+        ids: list[int] = ([self.bos_id] if add_bos and self.add_bos and self.bos_id is not None
+                          else [])
+        specials = ({self.token_text(i): i for i in self.special_ids if self.token_text(i)}
+                    if parse_special else {})
+        if not specials:
+            return ids + self.encode(text)
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len,
+                                                                     reverse=True)))
+        at = 0
+        for m in pattern.finditer(text):
+            if m.start() > at:
+                ids += self.encode(text[at:m.start()])
+            ids.append(specials[m.group()])
+            at = m.end()
+        if at < len(text):
+            ids += self.encode(text[at:])
         return ids
 
     def _partition(self, text: str) -> list[str | int]:
