@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
     from edge_agent.runtime.weights import PinnedWeights
 
-__all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "greedy_ids",
-           "stream_text"]
+__all__ = ["Engine", "EngineError", "NewSeq", "DEFAULT_THREADS", "blas_info", "generate",
+           "greedy_ids", "stream_text"]
 
 # One BLAS thread: on a shared 2-core board, 2 threads collapsed 3-4x under contention
 # (docs/benchmarks.md); batching, not threads, is where the throughput comes from.
@@ -355,18 +355,7 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Token ids of one completion: stops after max_tokens, or before a stop token
         (eos) unless params.ignore_eos. Releases its blocks when exhausted or closed."""
-        seq_id = f"_generate-{next(self._ids)}"
-        try:
-            token = self.add(seq_id, prompt_ids, params)
-            for n in range(1, params.max_tokens + 1):
-                if token in self.stop_ids and not params.ignore_eos:
-                    return
-                yield token
-                if n == params.max_tokens or self.length(seq_id) + 1 > self.context:
-                    return
-                token = self.step([seq_id])[seq_id]
-        finally:
-            self.release(seq_id)
+        return generate(self, f"_generate-{next(self._ids)}", prompt_ids, params)
 
     def stream_text(
         self,
@@ -380,6 +369,24 @@ class Engine:
             raise EngineError("engine: stream_text needs a tokenizer. Hint: use Engine.load().")
         return stream_text(self.tokenizer, self.generate(prompt_ids, params), params.stop,
                            on_token=on_token)
+
+
+def generate(engine: Any, seq_id: str, prompt_ids: Sequence[int],
+             params: SamplingParams) -> Iterator[int]:
+    """One completion on either engine as sequence `seq_id`: stops after max_tokens, at the
+    context, or before a stop token (eos) unless params.ignore_eos; released when exhausted or
+    closed."""
+    try:
+        token = engine.add(seq_id, prompt_ids, params)
+        for n in range(1, params.max_tokens + 1):
+            if token in engine.stop_ids and not params.ignore_eos:
+                return
+            yield token
+            if n == params.max_tokens or engine.length(seq_id) + 1 > engine.context:
+                return
+            token = engine.step([seq_id])[seq_id]
+    finally:
+        engine.release(seq_id)
 
 
 def stream_text(tokenizer: Any, tokens: Generator[int, None, None], stop: tuple[str, ...], *,

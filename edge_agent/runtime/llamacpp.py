@@ -469,18 +469,9 @@ class LlamaCppEngine:
 
     # -- one-request conveniences (edge-agent generate --local, tests) ------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        seq_id = f"_generate-{next(self._ids)}"
-        try:
-            token = self.add(seq_id, prompt_ids, params)
-            for n in range(1, params.max_tokens + 1):
-                if token in self.stop_ids and not params.ignore_eos:
-                    return
-                yield token
-                if n == params.max_tokens or self.length(seq_id) + 1 > self.context:
-                    return
-                token = self.step([seq_id])[seq_id]
-        finally:
-            self.release(seq_id)
+        from edge_agent.runtime.engine import generate
+
+        return generate(self, f"_generate-{next(self._ids)}", prompt_ids, params)
 
     def stream_text(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                     on_token: Callable[[int], None] | None = None) -> Iterator[str]:
