@@ -17,7 +17,6 @@ Invariants owned here:
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -27,15 +26,10 @@ from typing import Any
 from edge_agent import config_schema as schema
 from edge_agent import paths
 from edge_agent.errors import ConfigError
-from edge_agent.filekind import FileKindError, MiB, not_regular, read_regular
-from edge_agent.host_profiles import HostProfile, load_host_profile
+from edge_agent.filekind import MiB, not_regular
+from edge_agent.host_profiles import HostProfile, load_host_profile, read_toml
 from edge_agent.paths import default_model_path
 from edge_agent.scheduler.jobs import SchedulerConfig
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 __all__ = [
     "Config",
@@ -236,26 +230,9 @@ CONFIG_MAX_BYTES = MiB  # a configuration file is a few KiB; a larger "file" is 
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        raw = read_regular(path, CONFIG_MAX_BYTES)
-    except FileKindError as exc:  # a directory, FIFO, device, missing, or larger than 1 MiB
-        raise ConfigError(
-            f"reading configuration {path}: {exc}. "
-            "Hint: check the --config path; a configuration is a TOML file of at most 1 MiB "
-            "that this user may read."
-        ) from exc
-    try:
-        return tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"reading configuration {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
-            "Hint: TOML files are UTF-8; check the path points at the configuration."
-        ) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(
-            f"reading configuration {path}: not valid TOML ({exc}). "
-            "Hint: fix the syntax at that line; `python3 -m tomllib` style checkers show it."
-        ) from exc
+    return read_toml(path, "configuration", limit=CONFIG_MAX_BYTES,
+                     hint="check the --config path; a configuration is a TOML file of at most "
+                          "1 MiB that this user may read.")
 
 
 def _env_layer(env: Mapping[str, str]) -> list[schema.Entry]:

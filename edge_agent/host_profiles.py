@@ -30,7 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["HostProfile", "load_host_profile", "list_host_profiles", "profile_dirs",
-           "PROFILE_DIR_ENV"]
+           "read_toml", "PROFILE_DIR_ENV"]
 
 PROFILE_DIR_ENV = "EDGE_AGENT_BOARD_PROFILE_DIR"
 _TOP_KEYS = ("kind", "description", "hardware", "agent")
@@ -55,26 +55,31 @@ def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
 PROFILE_MAX_BYTES = MiB  # a board profile is a few KiB; a larger "file" is a wrong path
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_toml(path: Path, what: str, *, hint: str, limit: int = MiB) -> dict[str, Any]:
+    """The TOML table in `path` (a regular file of at most `limit` bytes), or a ConfigError that
+    starts with "`what` `path`: " and says whether it could not be read, was not UTF-8 or was not
+    TOML; `hint` ends the cannot-read message (what the file should be)."""
     try:
-        raw = read_regular(path, PROFILE_MAX_BYTES)
-    except FileKindError as exc:  # a directory, FIFO, device, missing, or larger than 1 MiB
-        raise ConfigError(
-            f"board profile {path}: cannot read it ({exc}). "
-            "Hint: check the path and its permissions; a profile is a TOML file of at most "
-            "1 MiB."
-        ) from exc
+        raw = read_regular(path, limit)
+    except FileKindError as exc:  # a directory, FIFO, device, missing, or larger than `limit`
+        raise ConfigError(f"{what} {path}: cannot read it ({exc}). Hint: {hint}") from exc
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"board profile {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
-            "Hint: TOML files are UTF-8; check the path points at a profile."
+            f"{what} {path}: not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            f"Hint: TOML files are UTF-8; check the path points at the {what}."
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
-            f"board profile {path}: not valid TOML ({exc}). Hint: fix the syntax at that line."
+            f"{what} {path}: not valid TOML ({exc}). Hint: fix the syntax at that line."
         ) from exc
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return read_toml(path, "board profile", limit=PROFILE_MAX_BYTES,
+                     hint="check the path and its permissions; a profile is a TOML file of at "
+                          "most 1 MiB.")
 
 
 def list_host_profiles(dirs: list[Path] | None = None) -> list[str]:

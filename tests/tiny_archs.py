@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from qemu.tiny_model import copy_vocabulary
 
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.gguf import GGUFFile
@@ -148,19 +149,7 @@ def write_tiny_arch(path: Path, arch: str, *, seed: int = 0, source: Path | None
         w.add_sliding_window(128)
     else:
         w.add_rope_dimension_count(hd)
-    w.add_vocab_size(vocab)
-    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
-    w.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
-    w.add_add_bos_token(bool(meta["tokenizer.ggml.add_bos_token"]))
-    w.add_add_space_prefix(bool(meta["tokenizer.ggml.add_space_prefix"]))
-    w.add_chat_template(meta["tokenizer.chat_template"])
+    copy_vocabulary(w, meta)
     rng = np.random.default_rng(seed)
     for name, shape in _tensor_specs(arch, vocab):
         kind = type_of(name)

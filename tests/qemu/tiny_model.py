@@ -11,16 +11,34 @@ the same bytes for the same seed). Needs the `gguf` package (a test dependency) 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.gguf import GGUFFile
 
-__all__ = ["TINY_SHAPE", "write_tiny_llama"]
+__all__ = ["TINY_SHAPE", "copy_vocabulary", "write_tiny_llama"]
 
 # dim, layers, heads, kv heads, ffn, context: ~0.2 M parameters besides the 49152 x 64 embedding
 TINY_SHAPE = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "context": 512}
+
+
+def copy_vocabulary(w: Any, meta: dict[str, Any]) -> None:
+    """Copy the tokenizer keys of `meta` (a GGUF's metadata) into the gguf writer `w`."""
+    w.add_vocab_size(len(meta["tokenizer.ggml.tokens"]))
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
+    w.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
+    w.add_add_bos_token(bool(meta["tokenizer.ggml.add_bos_token"]))
+    w.add_add_space_prefix(bool(meta["tokenizer.ggml.add_space_prefix"]))
+    w.add_chat_template(meta["tokenizer.chat_template"])
 
 
 def write_tiny_llama(path: Path, *, seed: int = 0, source: Path | None = None) -> Path:
@@ -42,19 +60,7 @@ def write_tiny_llama(path: Path, *, seed: int = 0, source: Path | None = None) -
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
-    w.add_pad_token_id(meta["tokenizer.ggml.padding_token_id"])
-    w.add_add_bos_token(bool(meta["tokenizer.ggml.add_bos_token"]))
-    w.add_add_space_prefix(bool(meta["tokenizer.ggml.add_space_prefix"]))
-    w.add_chat_template(meta["tokenizer.chat_template"])
+    copy_vocabulary(w, meta)
     rng = np.random.default_rng(seed)
 
     def mat(rows: int, cols: int) -> np.ndarray:
