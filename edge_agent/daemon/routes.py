@@ -4,6 +4,8 @@ Invariants owned here:
 - Every reply is JSON (`{"error": {"message", "type", "param", "code"}}` for errors, OpenAI's
   shape) except /metrics (Prometheus text) and streams (server-sent events, ending with
   `data: [DONE]` on the OpenAI routes). docs/api.md is the reference of every route.
+- Under /api/ (Ollama's API, daemon/ollama.py) errors are Ollama's `{"error": message}` and
+  streams NDJSON; `/` answers GET and HEAD as Ollama's does.
 - /tokenize and /detokenize use the model's own tokenizer, the one generation requests are
   encoded with (`ModelService.ensure_tokenizer`); no runner is needed for them.
 - A client that goes away (the transport cancels the handler or closes the stream) cancels its
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import (
@@ -36,6 +39,8 @@ from edge_agent.protocol.api import (
     query_int,
     sse_event,
 )
+from edge_agent.protocol.ollama import error_body as ollama_error_body
+from edge_agent.protocol.ollama import is_ollama_path
 from edge_agent.transports.http import Request, Response, StreamResponse
 from edge_agent.wallclock import health_times
 
@@ -45,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["Router", "cgroup_info"]
 
 MAX_TOKENS_LIMIT = 8192
+OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POST /api/chat, "
+                 "/api/generate, /api/show (docs/api.md).")
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
 
@@ -104,6 +111,7 @@ class Router:
             (re.compile(r"/v1/flash/(?P<fid>[^/]+)"), {"GET": self.flash_get}),
             (re.compile(r"/tokenize"), {"POST": self.tokenize}),
             (re.compile(r"/detokenize"), {"POST": self.detokenize}),
+            *OllamaRoutes(daemon, max_tokens_limit=MAX_TOKENS_LIMIT).table(),  # / and /api/*
         ]
 
     async def handle(self, req: Request) -> Reply:
@@ -120,13 +128,20 @@ class Router:
                                    f"allowed. Hint: use {allow}.", headers=[("allow", allow)])
                 check_query(req.query, QUERY_KEYS.get(fn.__name__, ()))
                 return await fn(req, **m.groupdict())
+            if is_ollama_path(path):
+                raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. "
+                               f"Hint: {OLLAMA_ROUTES}")
             raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
                            "see GET /health, /metrics, /v1/models, /v1/models/{id}, POST "
                            "/v1/completions, /v1/chat/completions, /v1/requests, /tokenize, "
                            "/detokenize (docs/api.md).")
         except ApiError as exc:
+            if is_ollama_path(path):  # Ollama's shape: {"error": message}
+                return Response(exc.status, ollama_error_body(exc.message), headers=exc.headers)
             return Response(exc.status, exc.body(), headers=exc.headers)
         except EdgeAgentError as exc:
+            if is_ollama_path(path):
+                return Response(503, ollama_error_body(str(exc)))
             return Response(503, ApiError(503, "unavailable", str(exc)).body())
 
     # -- status --------------------------------------------------------------------------------

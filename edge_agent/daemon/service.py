@@ -21,6 +21,8 @@ Invariants owned here:
   a row without one (beyond -> FAILED, answered 503). No request is left without an answer.
 - Load failures fail the model's queued jobs (503 naming the reason) and leave the lifecycle in
   FAILED with that reason; the next request retries the load.
+- An idle model unloads after `ttl_s` seconds: models.NAME.ttl_s, or the `keep_alive` of the
+  last Ollama request (`ttl_override`, set by daemon/ollama.py) until the model unloads.
 - While the journal cannot be written (`DaemonJournal.writable` false) no step runs and no job
   starts: running requests pause (their sequences stay in the runner) and continue when the
   journal pokes the loop. A loop that dies anyway is restarted by the daemon (app.py).
@@ -75,6 +77,9 @@ class ModelService:
         self.wake = asyncio.Event()
         self.load_requested = bool(entry.preload)
         self.unload_requested = False
+        # keep_alive of the last Ollama request (daemon/ollama.py): (seconds or None for
+        # "stay loaded",) in place of entry.ttl_s until the next unload; None: entry.ttl_s
+        self.ttl_override: tuple[float | None] | None = None
         self.tokenizer: Any = None
         self.engine: str | None = None  # resolved with the tokenizer: "llamacpp" or "numpy"
         self.engine_info: dict[str, Any] | None = None  # the runner's describe() of its load
@@ -161,6 +166,12 @@ class ModelService:
     def poke(self) -> None:
         self.wake.set()
 
+    @property
+    def ttl_s(self) -> float | None:
+        """Idle seconds before the model unloads (None: never): an Ollama keep_alive, else
+        models.NAME.ttl_s."""
+        return self.entry.ttl_s if self.ttl_override is None else self.ttl_override[0]
+
     async def load_and_wait(self) -> str | None:
         """Ask for a load (unless it already serves) and wait until it can serve; the reason
         when the load failed instead, else None. (The HTTP and UART `load` commands.)"""
@@ -195,7 +206,7 @@ class ModelService:
             "max_batch": self.max_batch, "context": self.context,
             "budget_bytes": self.budget_bytes, "mlock": self.lock,
             "free_blocks": self.free_blocks, "total_blocks": self.total_blocks,
-            "ttl_s": self.entry.ttl_s, "priority": self.entry.priority,
+            "ttl_s": self.ttl_s, "priority": self.entry.priority,
             "tokenizer_from": self.tokenizer_from,
             "tokenizer_s": None if self.tokenizer_s is None else round(self.tokenizer_s, 6),
             "memory": self.daemon.memory.model_dict(self.name),  # cgroup group, OOM kills
@@ -261,11 +272,11 @@ class ModelService:
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
             if self.unload_requested or self.daemon.stopping or self.lifecycle.should_unload(
-                    now, self.entry.ttl_s):
+                    now, self.ttl_s):
                 await self._unload("ttl" if not self.unload_requested else "request")
                 return
             timeouts = [t for t in (self.daemon.wait_timeout(now),
-                                    _until(self.lifecycle.unload_at(self.entry.ttl_s), now))
+                                    _until(self.lifecycle.unload_at(self.ttl_s), now))
                         if t is not None]
             await self._wait(min(timeouts) if timeouts else None)
             return
@@ -501,6 +512,7 @@ class ModelService:
     async def _unload(self, why: str) -> None:
         now = time.monotonic()
         self.unload_requested = False
+        self.ttl_override = None  # a keep_alive lasts while the model stays loaded
         self.lifecycle.start_unload(now)
         if self._inflight is not None:  # nothing is active: its reply only has stale tokens
             with contextlib.suppress(RunnerGone, asyncio.CancelledError):

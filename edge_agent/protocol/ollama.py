@@ -1,0 +1,538 @@
+"""Ollama's HTTP API (`/api/chat`, `/api/generate`, `/api/tags`, ...): validation and shapes.
+
+Invariants owned here:
+- Pure: no I/O, no clock (callers pass times as epoch seconds), no randomness.
+- The sampling options are validated by protocol/api.py's `parse_generation` (same ranges, same
+  refusal policy: honored, or 400 naming the option unless it carries its neutral value); an
+  error about one of them names it as Ollama does, `options.NAME`. Ollama's defaults apply
+  where an option is absent (OLLAMA_DEFAULTS). Options api.py does not know are handled here:
+  IGNORED_OPTIONS (accepted, type checked, no effect), UNSUPPORTED_OPTIONS (400 unless
+  neutral), anything else 400 naming it.
+- Every top-level field is known or refused (400 naming it); fields of features this server
+  does not have (`format`, `tools`, `images`, `template`, `context`, `suffix`, `think`,
+  `logprobs`, image generation) are accepted only with their neutral value.
+- `messages` take Ollama's roles (system, user, assistant, tool); they reach the model's chat
+  template as the OpenAI chat route's do. An empty `messages` (or an empty `prompt`) asks for
+  a load, or with `keep_alive` 0 an unload (`OllamaRequest.generation` is None).
+- Error bodies are Ollama's: `{"error": message}`, the HTTP status saying the class.
+- Durations are integers of nanoseconds; points in time RFC 3339 in UTC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from edge_agent.protocol import api
+from edge_agent.protocol.api import (
+    UNTIL_CONTEXT,
+    ApiError,
+    ChatMessage,
+    GenerationRequest,
+    parse_generation,
+    parse_json_body,
+)
+
+__all__ = [
+    "API_VERSION",
+    "FOREVER_EPOCH",
+    "IGNORED_OPTIONS",
+    "KeepAlive",
+    "OLLAMA_DEFAULTS",
+    "OllamaRequest",
+    "Stats",
+    "UNSUPPORTED_OPTIONS",
+    "chunk",
+    "error_body",
+    "final",
+    "human_number",
+    "is_ollama_path",
+    "model_details",
+    "model_info",
+    "model_name",
+    "ndjson",
+    "parse_chat",
+    "parse_generate",
+    "parse_keep_alive",
+    "parse_show",
+    "quantization_level",
+    "rfc3339",
+    "show_body",
+]
+
+API_VERSION = "0.9.0"  # the Ollama API level these routes follow (GET /api/version)
+ROLES = ("system", "user", "assistant", "tool")
+FOREVER_EPOCH = 253402300799.0  # 9999-12-31T23:59:59Z: expires_at of a model kept loaded
+_MAX_KEEP_ALIVE_S = 100 * 365 * 86400.0  # longer is "forever" (Go's Duration ends at 292 y)
+OLLAMA_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+
+# Ollama option -> the OpenAI field parse_generation validates and honors
+_MAPPED = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "stop": "stop"}
+# penalties: passed to parse_generation under the same name when api.py knows the field
+# (honored there, or refused unless neutral); unknown to api.py: UNSUPPORTED_OPTIONS below
+_PASS_THROUGH = ("presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n",
+                 "min_p")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+# accepted, type checked, no effect: runtime knobs the daemon's configuration owns
+# (models.NAME.context, runtime.threads, runtime.mlock) or that only matter with an option
+# refused below; (type check, what it wants)
+IGNORED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_ctx": (_is_int, "an integer"), "num_batch": (_is_int, "an integer"),
+    "num_gpu": (_is_int, "an integer"), "main_gpu": (_is_int, "an integer"),
+    "num_thread": (_is_int, "an integer"), "num_keep": (_is_int, "an integer"),
+    "numa": (_is_bool, "true or false"), "low_vram": (_is_bool, "true or false"),
+    "f16_kv": (_is_bool, "true or false"), "logits_all": (_is_bool, "true or false"),
+    "vocab_only": (_is_bool, "true or false"), "use_mmap": (_is_bool, "true or false"),
+    "use_mlock": (_is_bool, "true or false"), "embedding_only": (_is_bool, "true or false"),
+    "penalize_newline": (_is_bool, "true or false"),
+    "mirostat_tau": (_is_num, "a number"), "mirostat_eta": (_is_num, "a number"),
+}
+# sampling options not implemented: 400 unless the neutral value; (neutral check, shown)
+UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "typical_p": (lambda v: _is_num(v) and v == 1, "1"),
+    "tfs_z": (lambda v: _is_num(v) and v == 1, "1"),
+    "mirostat": (lambda v: _is_num(v) and v == 0, "0"),
+    "presence_penalty": (lambda v: _is_num(v) and v == 0, "0"),
+    "frequency_penalty": (lambda v: _is_num(v) and v == 0, "0"),
+    "repeat_penalty": (lambda v: _is_num(v) and v == 1, "1"),
+    "min_p": (lambda v: _is_num(v) and v == 0, "0"),
+    # without a repeat penalty the window it looks back over changes nothing
+    "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "any integer >= -1"),
+}
+_OPTIONS = sorted({"seed", "num_predict", *_MAPPED, *_PASS_THROUGH, *IGNORED_OPTIONS,
+                   *UNSUPPORTED_OPTIONS})
+# top-level fields: (endpoints, neutral check, neutral value shown, why it is refused)
+_CHAT, _GEN = "/api/chat", "/api/generate"
+_BOTH = (_CHAT, _GEN)
+_NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = {
+    "format": (_BOTH, lambda v: v == "", '""', "structured output (format) is not supported "
+               "yet"),
+    "think": (_BOTH, lambda v: v is False, "false", "the models served here have no thinking "
+              "mode"),
+    "logprobs": (_BOTH, lambda v: v is False, "false", "log probabilities are not supported"),
+    "top_logprobs": (_BOTH, lambda v: v == 0 and _is_int(v), "0", "log probabilities are not "
+                     "supported"),
+    "tools": ((_CHAT,), lambda v: v == [], "[]", "tool calling is not supported"),
+    "images": ((_GEN,), lambda v: v == [], "[]", "the models served here take no images"),
+    "suffix": ((_GEN,), lambda v: v == "", '""', "fill-in-the-middle (suffix) is not "
+               "supported"),
+    "template": ((_GEN,), lambda v: v == "", '""', "the prompt template is the model's own "
+                 "(the GGUF's chat template); render the prompt yourself and send it with "
+                 '"raw": true'),
+    "context": ((_GEN,), lambda v: v == [], "[]", "`context` (deprecated by Ollama) is not "
+                "kept; send the conversation as messages to /api/chat"),
+    "width": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
+    "height": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
+    "steps": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
+}
+_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive"),
+            _GEN: ("model", "prompt", "system", "raw", "stream", "options", "keep_alive")}
+_MESSAGE_KEYS = ("role", "content", "images", "tool_calls", "tool_name", "thinking")
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+           "h": 3600.0}
+# llama.cpp's llama_ftype (general.file_type) -> the name Ollama shows as quantization_level
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+              10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+              16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+              22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+              28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+              37: "TQ2_0", 38: "MXFP4"}
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """How long the model stays loaded after the request (None: until told otherwise)."""
+
+    seconds: float | None
+
+
+@dataclass(frozen=True)
+class OllamaRequest:
+    chat: bool  # /api/chat (message objects) or /api/generate (response strings)
+    model: str  # as the client named it (echoed back); model_name() resolves it
+    generation: GenerationRequest | None  # None: load (or unload) the model only
+    keep_alive: KeepAlive | None  # None: not given (the model's configured ttl_s)
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The final object's statistics, in seconds (sent as nanoseconds)."""
+
+    total_s: float
+    load_s: float
+    prompt_tokens: int
+    prompt_s: float
+    eval_tokens: int
+    eval_s: float
+
+    def fields(self) -> dict[str, int]:
+        def ns(s: float) -> int:
+            return max(0, round(s * 1e9))
+
+        return {"total_duration": ns(self.total_s), "load_duration": ns(self.load_s),
+                "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": ns(self.prompt_s),
+                "eval_count": self.eval_tokens, "eval_duration": ns(self.eval_s)}
+
+
+def _bad(field: str, problem: str, hint: str, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, code, f"field {field!r}: {problem}. Hint: {hint}.", param=field)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:80] + "...(cut)"
+
+
+def is_ollama_path(path: str) -> bool:
+    """Errors on these paths take Ollama's shape."""
+    return path == "/api" or path.startswith("/api/")
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}, ensure_ascii=False).encode()
+
+
+def model_name(name: str) -> str:
+    """The registered name an Ollama client means: `NAME:latest` is `NAME`."""
+    return name[: -len(":latest")] if name.endswith(":latest") else name
+
+
+def parse_keep_alive(value: Any) -> KeepAlive:
+    """Seconds (a number), or a Go duration ("5m", "1h30m", "0", "-1s"); negative: forever."""
+    seconds: float | None = None
+    if _is_num(value) and math.isfinite(value):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        if body.replace(".", "", 1).isdigit():  # a bare number: seconds
+            seconds = sign * float(body)
+        elif body and _DURATION.sub("", body) == "":
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in _DURATION.findall(body))
+    if seconds is None:
+        raise _bad("keep_alive", f"expected seconds or a duration, got {_show(value)}",
+                   'use e.g. "5m", "1h", 300, 0 (unload after the request) or -1 (stay loaded)')
+    if seconds < 0 or seconds > _MAX_KEEP_ALIVE_S:
+        return KeepAlive(None)
+    return KeepAlive(seconds)
+
+
+def _check_fields(d: Mapping[str, Any], path: str) -> None:
+    takes = [*_HONORED[path], *(k for k, v in _NEUTRAL_FIELDS.items() if path in v[0])]
+    for key, value in d.items():
+        if key in _HONORED[path]:
+            continue
+        neutral = _NEUTRAL_FIELDS.get(key)
+        if neutral is None or path not in neutral[0]:
+            close = difflib.get_close_matches(key, takes, n=1, cutoff=0.75)
+            raise ApiError(400, "unknown_parameter", f"field {key!r}: unknown parameter for "
+                           f"{path}. Hint: " + (f"did you mean {close[0]!r}?" if close else
+                                                f"remove it; {path} takes {', '.join(takes)}")
+                           + " (docs/api.md).", param=key)
+        if value is not None and not neutral[1](value):
+            raise _bad(key, f"{neutral[3]} (got {_show(value)}; only {neutral[2]}, which "
+                       "changes nothing, is accepted)", f"remove {key!r}",
+                       code="unsupported_parameter")
+
+
+def _model(d: Mapping[str, Any]) -> str:
+    model = d.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", f"expected a model name, got {_show(model)}",
+                   "GET /api/tags lists the names")
+    return model
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"expected true or false, got {_show(v)}", f'use "{key}": true')
+    return v
+
+
+def _options(d: Mapping[str, Any], limit: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The OpenAI-shaped sampling fields for parse_generation, and their Ollama names."""
+    opts = d.get("options")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise _bad("options", f"expected an object, got {_show(opts)}",
+                   'use e.g. "options": {"temperature": 0, "num_predict": 64}')
+    fields: dict[str, Any] = dict(OLLAMA_DEFAULTS)
+    names: dict[str, str] = {}
+    api_knows = set(api.HONORED_FIELDS["chat"]) | set(api.UNSUPPORTED_FIELDS["chat"])
+    for key, v in opts.items():
+        where = f"options.{key}"
+        if v is None:  # as if absent
+            continue
+        if key in _MAPPED or (key in _PASS_THROUGH and key in api_knows):
+            fields[_MAPPED.get(key, key)] = v
+            names[_MAPPED.get(key, key)] = where
+        elif key == "seed":
+            if not _is_int(v) or v >= 2**63:
+                raise _bad(where, f"expected an integer, got {_show(v)}",
+                           "use an integer 0..2**63-1 (negative: a random seed)")
+            if v >= 0:
+                fields["seed"] = v
+        elif key == "num_predict":
+            if not _is_int(v) or not -2 <= v <= limit:
+                raise _bad(where, f"expected an integer -2..{limit}, got {_show(v)}",
+                           f"use 1..{limit} tokens, or -1 (until end-of-sequence or the "
+                           "context)")
+            if v > 0:
+                fields["max_tokens"] = v
+        elif key in IGNORED_OPTIONS:
+            check, wants = IGNORED_OPTIONS[key]
+            if not check(v):
+                raise _bad(where, f"expected {wants}, got {_show(v)}",
+                           f"send {wants}, or leave it out (it is accepted and ignored)")
+        elif key in UNSUPPORTED_OPTIONS:
+            neutral, shown = UNSUPPORTED_OPTIONS[key]
+            if not neutral(v):
+                raise _bad(where, f"is not supported yet (got {_show(v)}; only {shown}, which "
+                           "changes nothing, is accepted)", f"remove {where!r}",
+                           code="unsupported_parameter")
+        else:
+            close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.75)
+            raise ApiError(400, "unknown_parameter", f"field {where!r}: unknown option. Hint: "
+                           + (f"did you mean 'options.{close[0]}'?" if close else
+                              "remove it; docs/api.md lists the options"), param=where)
+    return fields, names
+
+
+def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
+                messages: tuple[ChatMessage, ...] | None, prompt: str | None
+                ) -> GenerationRequest:
+    fields, names = _options(d, limit)
+    body: dict[str, Any] = {"model": model, "stream": stream, **fields}
+    if messages is not None:  # checked here (Ollama's roles); a stand-in for api.py's check
+        body["messages"] = [{"role": "user", "content": ""}]
+    else:
+        body["prompt"] = prompt
+    try:
+        greq = parse_generation(body, chat=messages is not None, max_tokens_limit=limit,
+                                default_max_tokens=UNTIL_CONTEXT)
+    except ApiError as exc:
+        raise _renamed(exc, names) from None
+    return greq if messages is None else dataclasses.replace(greq, messages=messages)
+
+
+def _renamed(exc: ApiError, names: Mapping[str, str]) -> ApiError:
+    """An error about an OpenAI field, naming the Ollama option it came from."""
+    new = names.get(exc.param or "")
+    if new is None:
+        return exc
+    message = exc.message.replace(f"'{exc.param}'", f"'{new}'")
+    return ApiError(exc.status, exc.code, message, headers=exc.headers, param=new)
+
+
+def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    v = d.get("messages")
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise _bad("messages", f"expected a list of {{role, content}} objects, got {_show(v)}",
+                   'use "messages": [{"role": "user", "content": "Hi"}]')
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"expected an object, got {_show(m)}",
+                       'use {"role": "user", "content": "..."}')
+        for key in m:
+            if key not in _MESSAGE_KEYS:
+                raise _bad(f"{where}.{key}", "unknown message field",
+                           f"remove it; a message takes {', '.join(_MESSAGE_KEYS)}",
+                           code="unknown_parameter")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"{_show(role)} is not a known role",
+                       f"use one of {', '.join(ROLES)}")
+        content = "" if m.get("content") is None else m["content"]
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", f"expected a string, got {_show(content)}",
+                       "send the message text as a string")
+        for key, why in (("images", "the models served here take no images"),
+                         ("tool_calls", "tool calling is not supported")):
+            if m.get(key) not in (None, []):
+                raise _bad(f"{where}.{key}", why, f"remove {key!r} from the message",
+                           code="unsupported_parameter")
+        for key in ("tool_name", "thinking"):  # accepted, not rendered
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise _bad(f"{where}.{key}", f"expected a string, got {_show(m[key])}",
+                           "send a string or leave it out")
+        out.append(ChatMessage(role, content))
+    return tuple(out)
+
+
+def _common(body: bytes, path: str) -> tuple[dict[str, Any], str, bool, KeepAlive | None]:
+    d = parse_json_body(body)
+    _check_fields(d, path)
+    ka = d.get("keep_alive")
+    return d, _model(d), _bool(d, "stream", True), None if ka is None else parse_keep_alive(ka)
+
+
+def parse_chat(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
+    """POST /api/chat. No messages: a load (an unload with keep_alive 0)."""
+    d, model, stream, ka = _common(body, _CHAT)
+    messages = _messages(d)
+    if not messages:
+        _options(d, max_tokens_limit)  # checked all the same
+        return OllamaRequest(chat=True, model=model, generation=None, keep_alive=ka,
+                             stream=stream)
+    greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
+                       messages=messages, prompt=None)
+    return OllamaRequest(chat=True, model=model, generation=greq, keep_alive=ka,
+                         stream=stream)
+
+
+def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
+    """POST /api/generate: `prompt` through the chat template as a user turn after `system`,
+    or as is with `raw`. No prompt and no system: a load (an unload with keep_alive 0)."""
+    d, model, stream, ka = _common(body, _GEN)
+    texts = {}
+    for key in ("prompt", "system"):
+        v = d.get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad(key, f"expected a string, got {_show(v)}", f'use "{key}": "..."')
+        texts[key] = v or ""
+    raw = _bool(d, "raw", False)
+    if raw and texts["system"]:
+        raise _bad("system", "a raw prompt is sent as is, so a system message has nowhere to "
+                   "go", 'put it in the prompt yourself, or drop "raw"')
+    if not texts["prompt"] and not texts["system"]:
+        _options(d, max_tokens_limit)
+        return OllamaRequest(chat=False, model=model, generation=None, keep_alive=ka,
+                             stream=stream)
+    if raw:
+        greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
+                           messages=None, prompt=texts["prompt"])
+    else:
+        turns = [ChatMessage("system", texts["system"])] if texts["system"] else []
+        turns.append(ChatMessage("user", texts["prompt"]))
+        greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
+                           messages=tuple(turns), prompt=None)
+    return OllamaRequest(chat=False, model=model, generation=greq, keep_alive=ka,
+                         stream=stream)
+
+
+def parse_show(body: bytes) -> str:
+    """POST /api/show: {"model", "verbose"?} (Ollama's older `name` too); the model name."""
+    d = parse_json_body(body)
+    for key in d:
+        if key not in ("model", "name", "verbose"):
+            raise _bad(key, "unknown parameter for /api/show", "send {\"model\": NAME}",
+                       code="unknown_parameter")
+    _bool(d, "verbose", False)
+    return _model({"model": d.get("model") or d.get("name")})
+
+
+# ----- responses --------------------------------------------------------------------------------
+
+
+def rfc3339(epoch: float) -> str:
+    """An epoch time as RFC 3339 in UTC with microseconds (`2025-06-01T12:03:07.412345Z`)."""
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(
+        timespec="microseconds").replace("+00:00", "Z")
+
+
+def ndjson(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+def chunk(*, chat: bool, model: str, now: float, text: str) -> dict[str, Any]:
+    """One streamed object (`done: false`)."""
+    out: dict[str, Any] = {"model": model, "created_at": rfc3339(now)}
+    if chat:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["response"] = text
+    out["done"] = False
+    return out
+
+
+def final(*, chat: bool, model: str, now: float, text: str, done_reason: str,
+          stats: Stats | None) -> dict[str, Any]:
+    """The last object (`done: true`, why, and the statistics of a generation)."""
+    out = chunk(chat=chat, model=model, now=now, text=text)
+    out["done"] = True
+    out["done_reason"] = done_reason
+    if stats is not None:
+        out.update(stats.fields())
+    return out
+
+
+def human_number(n: int) -> str:
+    """A parameter count as Ollama prints it: 134515008 -> "134.52M", 8030261248 -> "8.0B"."""
+    for size, unit, decimals in ((1e9, "B", 1), (1e6, "M", 2)):
+        if n >= size:
+            x = n / size
+            return f"{x:.0f}{unit}" if x == int(x) else f"{x:.{decimals}f}{unit}"
+    return f"{n / 1e3:.0f}K" if n >= 1000 else str(n)
+
+
+def quantization_level(meta: Mapping[str, Any], dominant: str | None) -> str:
+    """general.file_type's name; without it, the tensor type holding the most bytes."""
+    ft = meta.get("general.file_type")
+    if _is_int(ft) and ft in FILE_TYPES:
+        return FILE_TYPES[ft]
+    return dominant or "unknown"
+
+
+def model_details(meta: Mapping[str, Any], parameters: int, dominant: str | None
+                  ) -> dict[str, Any]:
+    """Ollama's `details` of a GGUF from its metadata."""
+    arch = str(meta.get("general.architecture") or "unknown")
+    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+            "parameter_size": human_number(parameters),
+            "quantization_level": quantization_level(meta, dominant)}
+
+
+def model_info(meta: Mapping[str, Any], parameters: int) -> dict[str, Any]:
+    """/api/show's `model_info`: the GGUF's scalar metadata (arrays such as the vocabulary and
+    the chat template, shown as `template`, left out) and the parameter count."""
+    out = {k: v for k, v in sorted(meta.items())
+           if not isinstance(v, (list, tuple, bytes)) and k != "tokenizer.chat_template"}
+    out["general.parameter_count"] = parameters
+    return out
+
+
+def show_body(*, meta: Mapping[str, Any], parameters: int, dominant: str | None,
+              path: str, context: int, modified: float) -> dict[str, Any]:
+    template = meta.get("tokenizer.chat_template")
+    return {
+        "modelfile": f"FROM {path}\nPARAMETER num_ctx {context}\n",
+        "parameters": f"num_ctx {context}",
+        "template": template if isinstance(template, str) else "",
+        "license": str(meta.get("general.license") or ""),
+        "details": model_details(meta, parameters, dominant),
+        "model_info": model_info(meta, parameters),
+        "capabilities": ["completion"],
+        "modified_at": rfc3339(modified),
+    }
+

@@ -1,0 +1,261 @@
+"""Ollama's API on a live daemon's TCP listener, through the official `ollama` Python client:
+chat and generate (streamed and not), list, ps, show, version, keep_alive (0 unloads, a
+duration or -1 keeps the model), load/unload by an empty request, bad inputs as
+`ollama.ResponseError` with their status, and the same tokens as the OpenAI routes at
+temperature 0.
+
+Recipe as tests/test_daemon_openai.py: `python -m edge_agent serve` as a subprocess with the
+real default model and the llama.cpp engine (tests/daemon_proc.py), `server.tcp` on a free
+loopback port, one daemon for the module, READY=1 awaited, killed in `finally`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+from daemon_proc import Daemon, launch, serve_argv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CONTEXT = 256
+HELLO = [{"role": "user", "content": "Tell me about dragons."}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="ea-ol-", dir="/tmp"))
+    cfg = root / "config.toml"
+    port = _free_port()
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        f'tcp = "127.0.0.1:{port}"\ndrain_timeout_s = 5\n'
+        '[runtime]\nengine = "llamacpp"\nmlock = "off"\nthreads = 1\n'
+        f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = 2\npreload = true\n"
+    )
+    with launch(Daemon, root, serve_argv(cfg)) as d:
+        d.port = port  # type: ignore[attr-defined]
+        yield d
+
+
+@pytest.fixture(scope="module")
+def base(daemon: Daemon) -> str:
+    return f"http://127.0.0.1:{daemon.port}"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> Iterator[Any]:
+    c = ollama.Client(host=base, timeout=240)
+    yield c
+    c.close()
+
+
+def _error(exc: pytest.ExceptionInfo[Any]) -> tuple[int, str]:
+    return exc.value.status_code, str(exc.value.error)
+
+
+def _ts(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _check_stats(r: Any) -> None:
+    """The final object's statistics: integers of nanoseconds, consistent with each other."""
+    assert r.done is True and r.done_reason in ("stop", "length")
+    for key in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration",
+                "prompt_eval_count", "eval_count"):
+        assert isinstance(r[key], int) and r[key] >= 0, key
+    assert r.prompt_eval_count > 0 and r.eval_count > 0
+    assert r.total_duration >= r.prompt_eval_duration + r.eval_duration
+    assert abs(_ts(r.created_at) - datetime.now(timezone.utc)) < timedelta(minutes=5)
+
+
+def test_chat_streamed_and_not_give_the_same_reply(client: Any) -> None:
+    whole = client.chat(model="smollm2", messages=HELLO, options=GREEDY)
+    assert whole.model == "smollm2" and whole.message.role == "assistant"
+    assert whole.message.content
+    _check_stats(whole)
+    assert whole.eval_count <= 12
+    assert (whole.done_reason == "length") == (whole.eval_count == 12)
+    parts = list(client.chat(model="smollm2", messages=HELLO, options=GREEDY, stream=True))
+    assert all(p.done is False for p in parts[:-1]) and parts[-1].done is True
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].message.content == ""
+    _check_stats(parts[-1])
+    assert (parts[-1].eval_count, parts[-1].prompt_eval_count) == (
+        whole.eval_count, whole.prompt_eval_count)
+    # ":latest" is the same model, as Ollama names it
+    again = client.chat(model="smollm2:latest", messages=HELLO, options=GREEDY)
+    assert again.message.content == whole.message.content and again.model == "smollm2:latest"
+
+
+def test_same_tokens_as_the_openai_routes(client: Any, daemon: Daemon) -> None:
+    chat = client.chat(model="smollm2", messages=HELLO, options=GREEDY)
+    status, oa = daemon.json("POST", "/v1/chat/completions", {
+        "model": "smollm2", "messages": HELLO, "temperature": 0, "max_tokens": 12})
+    assert status == 200, oa
+    assert chat.message.content == oa["choices"][0]["message"]["content"]
+    assert chat.eval_count == oa["usage"]["completion_tokens"]
+    assert chat.prompt_eval_count == oa["usage"]["prompt_tokens"]
+    # /api/generate: the prompt as a user turn through the chat template, like chat
+    gen = client.generate(model="smollm2", prompt=HELLO[0]["content"], options=GREEDY)
+    assert gen.response == chat.message.content and gen.done_reason == chat.done_reason
+    _check_stats(gen)
+    # raw: the prompt as is, like /v1/completions
+    raw = client.generate(model="smollm2", prompt="The capital of France is", raw=True,
+                          options=GREEDY)
+    status, oa = daemon.json("POST", "/v1/completions", {
+        "model": "smollm2", "prompt": "The capital of France is", "temperature": 0,
+        "max_tokens": 12})
+    assert status == 200 and raw.response == oa["choices"][0]["text"]
+    streamed = client.generate(model="smollm2", prompt="The capital of France is", raw=True,
+                               options=GREEDY, stream=True)
+    assert "".join(p.response for p in streamed) == raw.response
+    # a system message reaches the template: a different prompt than without it
+    sys = client.generate(model="smollm2", prompt=HELLO[0]["content"], system="Be brief.",
+                          options=GREEDY)
+    assert sys.prompt_eval_count != gen.prompt_eval_count
+
+
+def test_list_show_version_and_root(client: Any, base: str) -> None:
+    from gguf import GGUFReader, LlamaFileType
+
+    from edge_agent.paths import default_model_path
+
+    path = default_model_path()
+    reader = GGUFReader(path)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    ftype = int(reader.fields["general.file_type"].parts[-1][0])
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    template = bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode()
+
+    models = client.list().models
+    assert [m.model for m in models] == ["smollm2"]
+    m = models[0]
+    assert m.size == path.stat().st_size
+    assert m.digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    d = m.details
+    assert (d.format, d.family, d.families) == ("gguf", arch, [arch])
+    assert d.quantization_level == LlamaFileType(ftype).name.removeprefix("MOSTLY_")
+    assert d.parameter_size == f"{params / 1e6:.2f}M"  # a 135M model: Ollama's 2 decimals
+    assert m.modified_at is not None
+
+    show = client.show("smollm2")
+    assert show.details == d and show.template == template
+    assert show.modelinfo["general.architecture"] == arch
+    assert show.modelinfo["general.parameter_count"] == params
+    assert show.modelinfo[f"{arch}.context_length"] > 0
+    assert "tokenizer.ggml.tokens" not in show.modelinfo
+    assert show.capabilities == ["completion"] and f"num_ctx {CONTEXT}" in show.parameters
+
+    with httpx.Client(base_url=base) as h:
+        r = h.get("/api/version")
+        assert r.status_code == 200 and isinstance(r.json()["version"], str)
+        assert h.head("/").status_code == 200
+        r = h.get("/")
+        assert r.status_code == 200 and r.text == "Ollama is running"
+
+
+def test_keep_alive_and_load_unload(client: Any) -> None:
+    def loaded() -> list[Any]:
+        return list(client.ps().models)
+
+    def wait_unloaded() -> None:
+        end = time.monotonic() + 60
+        while loaded():
+            assert time.monotonic() < end, loaded()
+            time.sleep(0.1)
+
+    r = client.chat(model="smollm2", messages=HELLO, options={"num_predict": 2}, keep_alive=0)
+    assert r.done is True
+    wait_unloaded()  # unloaded right after the request, not after the configured ttl_s
+
+    # an empty request loads the model; keep_alive sets when it expires
+    r = client.generate(model="smollm2", keep_alive="10m")
+    assert (r.done, r.done_reason, r.response) == (True, "load", "")
+    (p,) = loaded()
+    assert p.model == "smollm2" and p.context_length == CONTEXT and p.size > 0
+    assert p.details.format == "gguf" and p.size_vram == 0
+    now = datetime.now(timezone.utc)
+    assert now + timedelta(minutes=8) < p.expires_at < now + timedelta(minutes=11)
+    r = client.chat(model="smollm2", messages=[], keep_alive=-1)
+    assert (r.done_reason, r.message.content) == ("load", "")
+    assert loaded()[0].expires_at.year == 9999  # stays loaded
+
+    # an empty request with keep_alive 0 unloads, and answers once it is unloaded
+    r = client.generate(model="smollm2", keep_alive=0)
+    assert (r.done, r.done_reason) == (True, "unload")
+    assert loaded() == []
+    r = client.chat(model="smollm2", messages=HELLO, options=GREEDY)  # loads again on demand
+    assert r.load_duration > 0 and r.message.content
+    assert loaded()[0].model == "smollm2"
+
+
+def test_bad_inputs_are_response_errors_with_their_status(client: Any, base: str) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="nope", messages=HELLO)
+    status, text = _error(info)
+    assert status == 404 and "'nope' not found" in text and "smollm2" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        list(client.chat(model="nope", messages=HELLO, stream=True))
+    assert info.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="smollm2", messages=HELLO, options={"temperature": 5})
+    status, text = _error(info)
+    assert status == 400 and "'options.temperature'" in text and "Hint:" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model="smollm2", prompt="Hi", options={"temprature": 0})
+    status, text = _error(info)
+    assert status == 400 and "'options.temprature'" in text and "options.temperature" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="smollm2", messages=HELLO, options={"mirostat": 2})
+    status, text = _error(info)
+    assert status == 400 and "'options.mirostat'" in text and "not supported" in text
+    for kwargs in ({"format": "json"}, {"format": {"type": "object"}}):
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat(model="smollm2", messages=HELLO, **kwargs)
+        status, text = _error(info)
+        assert status == 400 and "'format'" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model="smollm2", prompt="Hi", template="{{ .Prompt }}")
+    status, text = _error(info)
+    assert status == 400 and "'template'" in text and "raw" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="smollm2", messages=[{"role": "robot", "content": "x"}])
+    assert _error(info)[0] == 400 and "messages[0].role" in _error(info)[1]
+    # the runtime knobs the configuration owns are accepted and ignored
+    r = client.chat(model="smollm2", messages=HELLO,
+                    options={**GREEDY, "num_ctx": 4096, "num_thread": 2, "num_gpu": 0})
+    assert r.done is True
+
+    with httpx.Client(base_url=base) as h:
+        r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
+                                          "images": ["aGk="]})
+        assert r.status_code == 400 and "'images'" in r.json()["error"]
+        r = h.post("/api/chat", content=b"{not json")
+        assert r.status_code == 400 and set(r.json()) == {"error"}
+        r = h.get("/api/chat")  # Ollama's error shape for every /api/ path
+        assert r.status_code == 405 and "POST" in r.json()["error"]
+        r = h.post("/api/embed", json={"model": "smollm2", "input": "x"})
+        assert r.status_code == 404 and "/api/chat" in r.json()["error"]
+        r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
+                                          "keep_alive": "soon"})
+        assert r.status_code == 400 and "'keep_alive'" in r.json()["error"]
+        r = h.post("/api/show", json={"model": "nope"})
+        assert r.status_code == 404 and json.loads(r.text)["error"]
