@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import (
+    MAX_TOKENS_LIMIT,
     SSE_DONE,
     ApiError,
     check_query,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Router", "cgroup_info"]
 
-MAX_TOKENS_LIMIT = 8192
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
 
@@ -132,7 +132,7 @@ class Router:
     # -- status --------------------------------------------------------------------------------
     async def health(self, req: Request) -> Reply:
         d = self.d
-        status = "stopping" if d.stopping else ("serving" if d.ready else "loading")
+        status = d.status()
         models = {n: s.to_dict() for n, s in d.services.items()}
         body = {
             "status": status, "pid": os.getpid(),
