@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any, NoReturn
 
 from edge_agent import __version__
 from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, EdgeAgentError, UsageError
+from edge_agent.logs import configure, level_for
 
 __all__ = ["build_parser", "main", "main_entry", "COMMAND_MODULES"]
 
@@ -56,7 +58,9 @@ _STATE_DIR_HELP = ("state directory (default: $EDGE_AGENT_STATE_DIR, systemd's "
 _SOCKET_HELP = ("daemon socket (default: server.socket from the configuration, else "
                 "STATE_DIR/edge-agent.sock; /run/edge-agent/edge-agent.sock for a systemd "
                 "install)")
-_VERBOSE_HELP = "more detail on stderr (timings)"
+_VERBOSE_HELP = "more detail on stderr (timings, debug log lines)"
+_QUIET_HELP = "less on stderr: only the log's warnings and errors"
+log = logging.getLogger(__name__)
 
 
 def _sub_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -75,11 +79,13 @@ def _globals_everywhere(parser: argparse.ArgumentParser) -> set[str]:
         known = child._option_string_actions
         for flags, kwargs in ((("--state-dir",), {"metavar": "DIR", "help": _STATE_DIR_HELP}),
                               (("-v", "--verbose"), {"action": "store_true",
-                                                     "help": _VERBOSE_HELP})):
+                                                     "help": _VERBOSE_HELP}),
+                              (("-q", "--quiet"), {"action": "store_true",
+                                                   "help": _QUIET_HELP})):
             if flags[-1] in known:
                 known[flags[-1]].default = argparse.SUPPRESS
             else:
-                child.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+                child.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]  # kwargs holds both option kinds' keywords
         if "--socket" in known:
             known["--socket"].default = argparse.SUPPRESS
             takes_socket.add(child.prog)
@@ -90,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="edge-agent",
         description="Local LLM inference and MCU flashing for ARM Linux boards.",
-        epilog="--state-dir, --socket and -v may also follow the command. "
+        epilog="--state-dir, --socket, -v and -q may also follow the command. "
         "`make run` serves on CHECKOUT/.state/edge-agent.sock, which every command finds "
         "from inside the checkout with no flags.",
     )
@@ -99,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", metavar="PATH", help=_SOCKET_HELP)
     parser.add_argument("-v", "--verbose", action="store_true", default=False,
                         help=_VERBOSE_HELP)
+    parser.add_argument("-q", "--quiet", action="store_true", default=False, help=_QUIET_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         module = importlib.import_module(f"edge_agent.commands.{name}")
@@ -125,6 +132,8 @@ def _firmware_error_type() -> type[BaseException]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the one place log handlers are set up (the runner process copies the level)
+    configure(level_for(verbose=bool(args.verbose), quiet=bool(args.quiet)))
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
@@ -136,10 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_socket_flag(args)
         return int(func(args) or EXIT_OK)
     except EdgeAgentError as exc:
-        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)  # "edge-agent: error: ...", priority err under systemd
         return exc.exit_code
     except firmware_error as exc:
-        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return int(getattr(exc, "exit_code", EXIT_ERROR))
     except KeyboardInterrupt:
         print("edge-agent: interrupted", file=sys.stderr)

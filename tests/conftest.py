@@ -7,6 +7,7 @@ their own. Other test modules may append fixtures below, in their own clearly ma
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from edge_agent.journal import JournalStore, open_journal
+from edge_agent.logs import configure
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.gguf import GGUFFile
 from edge_agent.runtime.model import Llama, ModelConfig
@@ -160,3 +162,46 @@ def store(tmp_path: Path) -> Iterator[JournalStore]:
     s = JournalStore(open_journal(tmp_path / "j.sqlite3"), clock=lambda: 1000.0)
     yield s
     s.close()
+
+
+# -- the edge_agent log of an in-process daemon or transport -------------------------------------
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    """The messages the `edge_agent` loggers emit during the test (INFO and up), as a live
+    list; the logger's level is put back afterwards."""
+    logger = logging.getLogger("edge_agent")
+    lines: list[str] = []
+    handler = _ListHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture
+def stderr_log() -> Iterator[None]:
+    """The log on stderr as `edge-agent serve` writes it (the handler cli.main installs, INFO),
+    so capsys reads the daemon's lines; the root handlers and the level are put back."""
+    root, logger = logging.getLogger(), logging.getLogger("edge_agent")
+    handlers, level = list(root.handlers), logger.level
+    configure(logging.INFO, env={})
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        logger.setLevel(level)

@@ -84,12 +84,8 @@ class _Host:
         self.state_dir = state
         self.ready = True
         self.services: dict[str, Any] = {}
-        self.lines: list[str] = []
         self.sessions_seen = _Sessions()
         self.sessions = SimpleNamespace(finished=self.sessions_seen.finished_call)
-
-    def log(self, text: str) -> None:
-        self.lines.append(text)
 
 
 class _Rec:
@@ -142,19 +138,19 @@ def _rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
         raw.close()
 
 
-def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(small_fs: Path,
-                                                                     tmp_path: Path) -> None:
+def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
+        small_fs: Path, tmp_path: Path, log_lines: list[str]) -> None:
     from edge_agent.daemon.durable import DaemonJournal
 
     path = small_fs / "journal.sqlite3"
     host = _Host(tmp_path, path)
 
     async def scenario() -> None:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]
+        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a stand-in for the daemon
         dj.open()
         a, b = _Rec("req-a"), _Rec("req-b", session="s1")
-        dj.accept(a)  # type: ignore[arg-type]
-        dj.accept(b)  # type: ignore[arg-type]
+        dj.accept(a)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
+        dj.accept(b)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
         await _step(dj, a, 10, 11, 12, start=True)
         assert dj.writable and dj.fault is None
         filler = fill(small_fs)
@@ -163,7 +159,7 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(small_fs: Pa
         fault = dj.fault
         assert fault is not None and "full" in fault["reason"], fault
         assert dj.health()["fault"]["reason"] == fault["reason"]
-        assert any("journal" in ln and "Hint:" in ln for ln in host.lines), host.lines
+        assert any("journal" in ln and "Hint:" in ln for ln in log_lines), log_lines
         with pytest.raises(ApiError) as refused:
             dj.check_admission()
         err = refused.value
@@ -172,18 +168,18 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(small_fs: Pa
         retry = dict(err.headers)["retry-after"]
         assert int(retry) >= 1
         with pytest.raises(JournalError):  # a request cannot be accepted un-journaled
-            dj.accept(_Rec("req-c"))  # type: ignore[arg-type]
+            dj.accept(_Rec("req-c"))  # type: ignore[arg-type]  # a stand-in for a RequestRecord
         # a turn that ends while the journal is full (outside a step): its session history is
         # saved after its end is durable, not before
         b.finish_reason = "cancelled"
-        dj.finished(b)  # type: ignore[arg-type]
+        dj.finished(b)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
         assert host.sessions_seen.finished == []
         filler.unlink()
         await _until(lambda: dj.writable, 15.0, "the journal to be writable again")
         assert dj.fault is None and dj.health()["fault"] is None
         await _step(dj, a, 15)
         a.finish_reason = "length"
-        dj.finished(a)  # type: ignore[arg-type]
+        dj.finished(a)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
         assert host.sessions_seen.finished == [("req-b", False), ("req-a", True)]
         dj.close()
 
@@ -194,7 +190,7 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(small_fs: Pa
     assert states == {"req-a": "done", "req-b": "cancelled"}  # req-c was never accepted
     events = [m for (m,) in _rows(path, "SELECT message FROM events WHERE kind = 'journal_fault'")]
     assert len(events) == 1 and "full" in events[0], events
-    assert any("writable again" in ln for ln in host.lines), host.lines
+    assert any("writable again" in ln for ln in log_lines), log_lines
 
 
 def test_a_full_disk_at_start_is_a_clear_error(small_fs: Path, tmp_path: Path) -> None:
@@ -207,7 +203,7 @@ def test_a_full_disk_at_start_is_a_clear_error(small_fs: Path, tmp_path: Path) -
     filler = fill(small_fs)
 
     async def scenario() -> None:
-        dj = DaemonJournal(_Host(tmp_path, path))  # type: ignore[arg-type]
+        dj = DaemonJournal(_Host(tmp_path, path))  # type: ignore[arg-type]  # a stand-in for the daemon
         with pytest.raises(JournalError) as failed:
             dj.open()
         text = str(failed.value)
@@ -273,8 +269,6 @@ async def _health(d: Any) -> tuple[int, dict[str, Any]]:
 def test_daemon_refuses_with_507_and_says_degraded_until_space_returns(
         small_fs: Path, root: Path) -> None:
     d = _daemon(root, small_fs / "journal.sqlite3")
-    lines: list[str] = []
-    d.log = lines.append
 
     async def scenario() -> None:
         serving = asyncio.ensure_future(d.serve())
@@ -369,10 +363,9 @@ def test_a_good_journal_passes_the_schema_check(tmp_path: Path) -> None:
 
 
 def test_a_model_loop_that_dies_is_restarted_and_starves_the_watchdog_meanwhile(
-        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        root: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list[str]) -> None:
     d = _daemon(root, env={"WATCHDOG_USEC": "100000"})  # a ping due every 50 ms
-    lines: list[str] = []
-    d.log = lines.append
+    lines = log_lines
     pings: list[float] = []
     monkeypatch.setattr(d.notifier, "watchdog", lambda: pings.append(time.monotonic()))
     svc = d.services["smollm2"]
@@ -412,10 +405,9 @@ def test_a_model_loop_that_dies_is_restarted_and_starves_the_watchdog_meanwhile(
 
 
 def test_a_model_loop_that_keeps_dying_takes_the_daemon_down(
-        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        root: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list[str]) -> None:
     d = _daemon(root)
-    lines: list[str] = []
-    d.log = lines.append
+    lines = log_lines
     svc = d.services["smollm2"]
 
     async def turn() -> None:
@@ -433,10 +425,9 @@ def test_a_model_loop_that_keeps_dying_takes_the_daemon_down(
 
 
 def test_a_memory_guard_callback_that_raises_takes_the_daemon_down(
-        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        root: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list[str]) -> None:
     d = _daemon(root)
-    lines: list[str] = []
-    d.log = lines.append
+    lines = log_lines
 
     def broken(now: float, still_high: bool = False) -> None:
         raise RuntimeError("stage bookkeeping broke")

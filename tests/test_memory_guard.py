@@ -41,7 +41,7 @@ def started(d: Daemon) -> Daemon:
 
 
 def test_cgroup_v1_memory_host_serves_by_accounting_and_says_why(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     t = make_tree(tmp_path / "t", v1_memory=True)
     d = started(daemon(tmp_path, proc_root=str(t.proc)))
     h = d.memory.health()

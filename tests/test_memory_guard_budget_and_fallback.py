@@ -72,7 +72,7 @@ def _ev(key: str, delta: int, total: int, group: str = "smollm2") -> MemoryEvent
 
 
 def test_memory_events_are_logged_at_most_every_30_s(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     g = daemon(tmp_path).memory
     now = [1000.0]
     g.clock = lambda: now[0]
@@ -116,7 +116,7 @@ def test_eacces_hint_names_kernel_capability_and_systemd(tmp_path: Path) -> None
 
 def test_refused_trigger_falls_back_to_polling_avg10(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     psi = tmp_path / "memory.pressure"
     psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")

@@ -73,7 +73,7 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: dict[str, Path
 
 def test_refused_service_file_arms_triggers_on_the_groups_we_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     need_real_files()
     fifo = tmp_path / "models.fifo"  # stands in for models/ so the test can make it fire
     os.mkfifo(fifo)
@@ -149,7 +149,7 @@ def test_metrics_name_each_watched_file_and_its_kind(
 
 def test_a_refused_leaf_is_polled_while_the_other_is_armed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     need_real_files()
     sup = tmp_path / "supervisor.pressure"  # readable PSI text whose trigger is refused
     sup.write_text(QUIET)
@@ -205,7 +205,7 @@ def test_release_measures_the_stall_share_since_the_last_event(tmp_path: Path) -
     from edge_agent.daemon.pressure_sources import RATE_MIN_S, PressureSources
 
     psi = tmp_path / "memory.pressure"
-    src = PressureSources(Trigger("some", 300_000, 2_000_000), log=print,  # 15 %
+    src = PressureSources(Trigger("some", 300_000, 2_000_000),  # 15 %
                           on_hit=lambda detail: None, stopping=lambda: False)
     src.service_file = psi
     _psi(psi, 40.0, 5_000_000)

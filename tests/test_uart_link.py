@@ -184,7 +184,7 @@ class Peer:
 
 
 def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(coro_fn())  # type: ignore[arg-type]
+    asyncio.run(coro_fn())  # type: ignore[arg-type]  # the tests' async functions return coroutines
 
 
 def open_pty() -> tuple[int, str]:
@@ -195,21 +195,20 @@ def open_pty() -> tuple[int, str]:
 
 
 async def start_transport(path: str, backend: Any, **kw: Any) -> UartTransport:
-    logs: list[str] = kw.pop("logs", [])
-    t = UartTransport(LinkSettings(path, **kw.pop("link", {})), backend, gap_s=0.2,
-                      log=logs.append, **kw)
+    t = UartTransport(LinkSettings(path, **kw.pop("link", {})), backend, gap_s=0.2, **kw)
     await t.start(wait=True)
     return t
 
 
 # ----- link ---------------------------------------------------------------------------------------
 
-def test_pty_link_is_read_through_the_event_loop_fd_and_never_blocks_it() -> None:
+def test_pty_link_is_read_through_the_event_loop_fd_and_never_blocks_it(
+        log_lines: list[str]) -> None:
     async def main() -> None:
         master, path = open_pty()
         got = bytearray()
-        logs: list[str] = []
-        link = SerialLink(LinkSettings(path, parity="even"), got.extend, log=logs.append)
+        logs = log_lines
+        link = SerialLink(LinkSettings(path, parity="even"), got.extend)
         await link.start(wait=True)
         assert link._fd is not None and link._reader is None  # fd-based, no thread
         # A pty takes PARENB without error and drops it: we notice and say so.
@@ -243,13 +242,13 @@ def test_pty_link_is_read_through_the_event_loop_fd_and_never_blocks_it() -> Non
     run(main)
 
 
-def test_exclusive_open_refuses_a_second_user_without_crashing() -> None:
+def test_exclusive_open_refuses_a_second_user_without_crashing(log_lines: list[str]) -> None:
     async def main() -> None:
         master, path = open_pty()
         first = SerialLink(LinkSettings(path), lambda b: None)
         await first.start(wait=True)
-        logs: list[str] = []
-        second = SerialLink(LinkSettings(path, backoff_s=0.05), lambda b: None, log=logs.append)
+        logs = log_lines
+        second = SerialLink(LinkSettings(path, backoff_s=0.05), lambda b: None)
         await second.start()
         await asyncio.sleep(0.2)
         assert not second.up and second.counters["open_failures"] >= 2
@@ -300,15 +299,16 @@ class TcpPort:
         self.srv = socket.create_server(("127.0.0.1", self.port))
 
 
-def test_socket_url_parity_even_uses_a_reader_thread_and_reopens_after_a_drop() -> None:
+def test_socket_url_parity_even_uses_a_reader_thread_and_reopens_after_a_drop(
+        log_lines: list[str]) -> None:
     """Parity E is not testable on a pty (silently dropped), so it runs over socket://."""
     async def main() -> None:
         tcp = TcpPort()
         got = bytearray()
-        logs: list[str] = []
+        logs = log_lines
         link = SerialLink(LinkSettings(f"socket://127.0.0.1:{tcp.port}", parity="even",
                                        stopbits=2, backoff_s=0.05, backoff_max_s=0.2),
-                          got.extend, log=logs.append)
+                          got.extend)
         accepted = asyncio.get_running_loop().run_in_executor(None, tcp.accept)
         await link.start(wait=True)
         conn = await accepted
@@ -383,8 +383,7 @@ def test_socat_pty_pair_disappears_and_comes_back(tmp_path: Path) -> None:
     async def main() -> None:
         proc = start_socat()
         backend = ScriptedBackend()
-        logs: list[str] = []
-        t = await start_transport(str(a), backend, logs=logs,
+        t = await start_transport(str(a), backend,
                                   link={"backoff_s": 0.05, "backoff_max_s": 0.2})
         try:
             peer = serial.serial_for_url(str(b), baudrate=115200, timeout=2)

@@ -26,7 +26,7 @@ from edge_agent.errors import ConfigError
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef]  # the same API under its 3.10 backport's name
 
 __all__ = ["Policy", "ModelPolicy", "SupervisorPolicy", "PressurePolicy", "load_policy",
            "list_policies", "policy_dirs", "DEFAULT_POLICY", "SCHEMA"]

@@ -25,7 +25,7 @@ from edge_agent.sizes import parse_size
 __all__ = ["register", "run_show", "run_apply", "manager_for"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("cgroup", help="show our cgroup v2 subtree; dry-run the policy",
                             description="cgroup v2 memory layout of the daemon: detection, "
                             "current values, and the writes a policy implies.")

@@ -35,7 +35,7 @@ def _common(parser: argparse.ArgumentParser, timeout: float = 30.0) -> None:
                         "(default: %(default)s)")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser("status", help="show the daemon's state (exit 0 when serving)",
                             description="Ask the daemon for /health and print it.")
     _common(status)

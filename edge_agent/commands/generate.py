@@ -38,7 +38,7 @@ __all__ = ["register", "run", "generate_local", "generate_daemon", "sampling_par
 PROBE_TIMEOUT_S = 5.0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
         help="stream a completion of PROMPT to stdout",

@@ -19,7 +19,7 @@ from edge_agent.errors import UsageError
 __all__ = ["register", "run"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "tokenize",
         help="print the token ids of a text (or the text of ids with --decode)",

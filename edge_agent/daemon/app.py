@@ -36,10 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
-import sys
 import time
 import traceback
 import uuid
@@ -70,6 +70,7 @@ EXTEND_USEC = 30_000_000
 ANSWER_GRACE_S = 5.0  # after the drain: time for connections to deliver their final answers
 CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
 CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
+log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
 _GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_sources",
                   "edge_agent.cgroup")
@@ -106,7 +107,7 @@ class Daemon:
         self.memory = MemoryGuard(self)  # cgroup v2 groups, OOM kills, PSI stages
         self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
-        self.notifier = Notifier.from_env(self.env, lambda t: self.log(f"warning: {t}"))
+        self.notifier = Notifier.from_env(self.env)
         self.journal = DaemonJournal(self)
         self.sessions = Sessions(self)  # `session` histories (daemon/sessions.py)
         self.stopping = False
@@ -127,11 +128,12 @@ class Daemon:
                                drain_timeout_s=config.server.drain_timeout_s)
 
     # -- small services for the model loops and routes -----------------------------------------
-    def log(self, text: str) -> None:
-        print(f"edge-agent: {text}", file=sys.stderr, flush=True)
-
     def request_exit(self) -> None:
         self._exit.set()
+
+    def status(self) -> str:
+        """What /health and the UART `status` say the daemon is doing."""
+        return "stopping" if self.stopping else ("serving" if self.ready else "loading")
 
     def notifier_extend(self, status: str) -> None:
         now = time.monotonic()
@@ -146,7 +148,8 @@ class Daemon:
         self._settled.set()
         self._settled = asyncio.Event()
         st = svc.lifecycle
-        self.log(f"model {svc.name}: {st.state.value}" + (f" ({st.reason})" if st.reason else ""))
+        log.log(logging.WARNING if st.state is ModelState.FAILED else logging.INFO,
+                f"model {svc.name}: {st.state.value}" + (f" ({st.reason})" if st.reason else ""))
 
     async def wait_settled(self) -> None:
         await self._settled.wait()
@@ -329,7 +332,7 @@ class Daemon:
                     "GGUF's context_length). Hint: set context to at most "
                     f"{svc.context} to silence this.")
             self.context_notes[svc.name] = note
-            self.log(f"warning: {note}")
+            log.warning(note)
 
     def _prune(self) -> None:
         keep = self.scheduler.config.keep_finished
@@ -353,7 +356,7 @@ class Daemon:
         finally:
             self.state_lock.release()
         if self.fatal is not None:
-            self.log(f"exiting with status {EXIT_ERROR}: {self.fatal}")
+            log.error(f"exiting with status {EXIT_ERROR}: {self.fatal}")
             return EXIT_ERROR
         return 0
 
@@ -376,7 +379,7 @@ class Daemon:
         if self.journal.open() is not None:
             resumed = self.journal.resume()
             if resumed:
-                self.log(f"journal: {resumed} request(s) re-queued")
+                log.info(f"journal: {resumed} request(s) re-queued")
         srv = self.config.server
         activated = listen_fds(self.env)
         for sock in activated:
@@ -389,7 +392,7 @@ class Daemon:
             host, _, port = srv.tcp.rpartition(":")
             bound = await self.http.listen_tcp(host or "127.0.0.1", int(port))
             where.append(f"tcp {host or '127.0.0.1'}:{bound}")
-        self.log(f"listening on {', '.join(where)}")
+        log.info(f"listening on {', '.join(where)}")
         self.uarts = await start_uarts(self)
         for svc in self.services.values():
             self._start_model_task(svc)
@@ -407,10 +410,10 @@ class Daemon:
         self.ready = True
         states = ", ".join(f"{s.name} {s.lifecycle.state.value}" for s in self.services.values())
         self.notifier.ready(f"serving on {where[0]}; models: {states}")
-        self.log(f"ready: models: {states}")
+        log.info(f"ready: models: {states}")
         if not activated:
             sock = srv.socket
-            self.log(f"try: curl --unix-socket {sock} http://localhost/health ; "
+            log.info(f"try: curl --unix-socket {sock} http://localhost/health ; "
                      f"curl --unix-socket {sock} http://localhost/v1/chat/completions "
                      """-d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'""")
 
@@ -457,7 +460,7 @@ class Daemon:
                 exc = task.exception()
                 why = "returned" if exc is None else f"raised {type(exc).__name__}: {exc}"
             if exc is not None:
-                self.log("".join(traceback.format_exception(exc)).rstrip())
+                log.error("".join(traceback.format_exception(exc)).rstrip())
             if not name.startswith("model-"):
                 self.die(f"core task {name} {why}; it cannot be restarted in place. Hint: "
                          "this is a daemon bug (report it with the traceback above); the "
@@ -475,22 +478,22 @@ class Daemon:
                 return False
             delay = CORE_RESTART_DELAYS_S[len(deaths) - 1]
             self._dead[name] = now + delay
-            self.log(f"core task {name} {why}; restarting it in {delay:g} s (restart "
-                     f"{len(deaths)} of {len(CORE_RESTART_DELAYS_S)} allowed within "
-                     f"{CORE_RESTART_WINDOW_S:.0f} s); its requests continue from where they "
-                     "are. Hint: this is a daemon bug: report it with the traceback above.")
+            log.error(f"core task {name} {why}; restarting it in {delay:g} s (restart "
+                      f"{len(deaths)} of {len(CORE_RESTART_DELAYS_S)} allowed within "
+                      f"{CORE_RESTART_WINDOW_S:.0f} s); its requests continue from where they "
+                      "are. Hint: this is a daemon bug: report it with the traceback above.")
         for name, at in list(self._dead.items()):
             if now >= at:
                 del self._dead[name]
                 self._start_model_task(self.services[name.removeprefix("model-")])
-                self.log(f"core task {name}: restarted")
+                log.info(f"core task {name}: restarted")
         return not self._dead
 
     def die(self, reason: str) -> None:
         """Take the daemon down: log why, drain as on SIGTERM, `serve()` returns 1."""
         if self.fatal is None:
             self.fatal = reason
-            self.log(f"fatal: {reason}")
+            log.critical(reason)
             self.notifier.status(f"failed: {reason}"[:200])
         self.request_exit()
 
@@ -542,7 +545,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         self.stopping = True
         self.notifier.stopping("draining: finishing running requests")
-        self.log("stopping: draining")
+        log.info("stopping: draining")
         now = time.monotonic()
         kept = self.journal.enabled  # queued work stays journaled and resumes at the next start
         for svc in self.services.values():
@@ -589,7 +592,7 @@ class Daemon:
                 await svc.runner.stop()
         self.memory.close()  # runners are reaped: remove models/*, stop watching
         self.journal.close()
-        self.log("stopped")
+        log.info("stopped")
 
 
 def _decoder(tok: Any) -> Any:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import sqlite3
@@ -76,6 +77,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DaemonJournal", "final_state", "PRUNE_BATCH", "RETENTION_INTERVAL_S", "RETRY_FIRST_S",
            "RETRY_MAX_S"]
+
+log = logging.getLogger(__name__)
 
 PRUNE_BATCH = 200  # rows per retention transaction (a few ms: one decode step waits at most that)
 RETENTION_INTERVAL_S = 3600.0  # retention passes after the first one (right after READY)
@@ -154,7 +157,7 @@ class DaemonJournal:
         self.start_s.update(open=j.open_seconds - (j.overlap_seconds or j.check_seconds),
                             check=j.check_seconds, checked_while=j.overlap_seconds)
         if j.quarantined is not None:
-            self.daemon.log(f"warning: {j.quarantined.message()}")
+            log.warning(j.quarantined.message())
             for svc in warmed:  # its cached tokenizer came from the file moved aside
                 svc.tokenizer = None
         t1 = time.perf_counter()
@@ -169,7 +172,7 @@ class DaemonJournal:
                 "then start again.") from exc
         self.start_s["recover"] = time.perf_counter() - t1
         if self.plan.resume or self.plan.expired:
-            self.daemon.log(self.plan.summary())
+            log.info(self.plan.summary())
         self.start_s["total"] = time.perf_counter() - t0
         self._retention = asyncio.get_running_loop().create_task(
             self._retain(), name="journal-retention")
@@ -236,9 +239,9 @@ class DaemonJournal:
                                        limit=PRUNE_BATCH)
             except (JournalError, sqlite3.Error) as exc:
                 error = str(exc)
-                self.daemon.log(f"journal: retention pass failed: {exc}. Hint: check the "
-                                f"journal's file system (free space, dmesg); next pass in "
-                                f"{RETENTION_INTERVAL_S:.0f} s.")
+                log.error(f"journal: retention pass failed: {exc}. Hint: check the "
+                          f"journal's file system (free space, dmesg); next pass in "
+                          f"{RETENTION_INTERVAL_S:.0f} s.")
                 break
             busy += time.perf_counter() - t1
             totals["requests"] += res.requests
@@ -251,8 +254,8 @@ class DaemonJournal:
         self.retention = dict(totals, busy_s=round(busy, 6), error=error,
                               wall_s=round(time.perf_counter() - t0, 6), at=time.time())
         if totals["requests"] or totals["sessions"]:
-            self.daemon.log(f"journal: retention pruned {totals['requests']} finished "
-                            f"request(s) in {totals['batches']} batch(es), {busy:.3f} s")
+            log.info(f"journal: retention pruned {totals['requests']} finished "
+                     f"request(s) in {totals['batches']} batch(es), {busy:.3f} s")
         return self.retention
 
     def health(self) -> dict[str, Any]:
@@ -307,7 +310,7 @@ class DaemonJournal:
             self.fault["reason"] = reason
             return
         self.fault = {"reason": reason, "since": time.time(), "failures": 1}
-        self.daemon.log(
+        log.error(
             f"journal: a write to {self.path} failed ({exc}); new requests are refused (507) "
             "and running ones paused until a write succeeds; nothing acknowledged is dropped "
             f"(retrying every {RETRY_FIRST_S:g}..{RETRY_MAX_S:g} s). Hint: free space on the "
@@ -347,8 +350,8 @@ class DaemonJournal:
             self._failed(exc)
             return False
         self.fault = None
-        self.daemon.log(f"journal: {self.path} is writable again after {took:.1f} s "
-                        f"({f['failures']} failed write(s)); serving again")
+        log.info(f"journal: {self.path} is writable again after {took:.1f} s "
+                 f"({f['failures']} failed write(s)); serving again")
         for svc in self.daemon.services.values():
             svc.poke()
         return True
@@ -364,7 +367,7 @@ class DaemonJournal:
                 try:
                     self.store.append_tokens(rows, finish=ends, running=running)
                 except JournalConflictError as exc:  # a bug: trying again cannot help
-                    self.daemon.log(f"journal: write dropped: {exc}")
+                    log.error(f"journal: write dropped: {exc}")
                 except (JournalError, sqlite3.Error) as exc:
                     self._failed(exc)
                     return False
@@ -385,7 +388,7 @@ class DaemonJournal:
     def _log_unwritten(self) -> None:
         ids = sorted({r[0] for rows, _, _, _ in self._kept for r in rows}
                      | {e[0] for _, _, ends, _ in self._kept for e in ends})
-        self.daemon.log(
+        log.warning(
             f"journal: {len(self._kept)} write(s) of request(s) {', '.join(ids[:10])} could not "
             f"be written before exit ({self.fault['reason'] if self.fault else 'refused'}); "
             "those requests stay open in the journal and the next start continues them from "
@@ -480,7 +483,7 @@ class DaemonJournal:
         except (OSError, JournalError, sqlite3.Error) as exc:
             if self._warming and isinstance(exc, sqlite3.Error):
                 raise  # e.g. dropping a bad entry: a write, left to the load (after the check)
-            self.daemon.log(f"journal: tokenizer cache of model {name} unusable: {exc}")
+            log.warning(f"journal: tokenizer cache of model {name} unusable: {exc}")
             return None
 
     def model_loaded(self, name: str, path: Path, ready: dict[str, Any], tokenizer: Any) -> None:
@@ -502,7 +505,7 @@ class DaemonJournal:
                     str(sha), tokenizer.fingerprint) is None:
                 cache_tokenizer(self.store, str(sha), tokenizer)
         except (OSError, JournalError, sqlite3.Error) as exc:
-            self.daemon.log(f"journal: could not record model {name}: {exc}")
+            log.warning(f"journal: could not record model {name}: {exc}")
             if isinstance(exc, sqlite3.Error):
                 self._failed(exc)
 
@@ -512,7 +515,7 @@ class DaemonJournal:
         try:
             self.store.record_model(name, last_failure=reason, last_failure_at=time.time())
         except (JournalError, sqlite3.Error) as exc:
-            self.daemon.log(f"journal: could not record the failure of model {name}: {exc}")
+            log.warning(f"journal: could not record the failure of model {name}: {exc}")
             if isinstance(exc, sqlite3.Error):
                 self._failed(exc)
 
@@ -561,7 +564,7 @@ class DaemonJournal:
             rec = self.rebuild(rid)
             if rec is not None:
                 self.daemon.sessions.finished(rec, True)
-                self.daemon.log(f"journal: session {rec.request.session}: turn {rid} restored")
+                log.info(f"journal: session {rec.request.session}: turn {rid} restored")
         self.start_s["reconcile"] = time.perf_counter() - t0
 
     def resume(self) -> int:

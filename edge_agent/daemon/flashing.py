@@ -31,6 +31,7 @@ import binascii
 import contextlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -40,11 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.protocol.api import ApiError
+from edge_agent.protocol.api import field_error as _bad
 
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
 __all__ = ["FlashService", "FlashJobRecord", "parse_flash_request", "FlashRequest"]
+
+log = logging.getLogger(__name__)
 
 KEEP_FINISHED = 32
 _FIELDS = ("elf_base64", "board", "port", "baud", "dry_run", "resume", "go")
@@ -62,10 +66,6 @@ class FlashRequest:
     dry_run: bool = False
     resume: bool = False
     go: bool = True
-
-
-def _bad(field_name: str, problem: str, hint: str) -> ApiError:
-    return ApiError(400, "invalid_request", f"field {field_name!r}: {problem}. Hint: {hint}")
 
 
 def _size(n: int) -> str:
@@ -326,8 +326,8 @@ class FlashService:
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
-            self.d.log(f"warning: cannot delete the flash upload {path} "
-                       f"({exc.strerror or exc}); it is removed at the next start")
+            log.warning(f"cannot delete the flash upload {path} "
+                        f"({exc.strerror or exc}); it is removed at the next start")
 
     def _remove_stale_uploads(self) -> None:
         """Uploads of jobs a killed daemon never finished: nothing can use them any more."""
@@ -338,8 +338,8 @@ class FlashService:
         for path in stale:
             self._remove_upload(path)
         if stale:
-            self.d.log(f"flash: removed {len(stale)} upload(s) left by an earlier run in "
-                       f"{self.uploads}")
+            log.info(f"flash: removed {len(stale)} upload(s) left by an earlier run in "
+                     f"{self.uploads}")
 
     async def wait(self, timeout: float) -> None:
         """Let running jobs finish (shutdown); a flash is not cut half-way if avoidable."""
@@ -379,7 +379,7 @@ class FlashService:
             job.state = "failed"
             job.error = {"code": type(exc).__name__, "message": str(exc)}
             self._journal_end(job, profile, ok=False)
-            self.d.log(f"flash {job.id}: {job.elf} to {job.board} on {job.port} failed: {exc}")
+            log.error(f"flash {job.id}: {job.elf} to {job.board} on {job.port} failed: {exc}")
         else:
             job.result = result.to_dict()
             job.warnings = list(result.warnings)
@@ -387,9 +387,9 @@ class FlashService:
             job.phase = "done"
             job.done = job.total = max(job.total, result.size)
             self._journal_end(job, profile, ok=True)
-            self.d.log(f"flash {job.id}: {job.elf} to {job.board} on {job.port}: done "
-                       f"({result.bytes_written} bytes written, {result.bytes_verified} "
-                       f"verified, {result.seconds:.1f} s)")
+            log.info(f"flash {job.id}: {job.elf} to {job.board} on {job.port}: done "
+                     f"({result.bytes_written} bytes written, {result.bytes_verified} "
+                     f"verified, {result.seconds:.1f} s)")
         finally:
             job.finished_at = time.time() if job.state in ("done", "failed") else None
             self._remove_upload(Path(job.elf))
@@ -414,7 +414,7 @@ class FlashService:
             if forward:
                 store.mark(job.journal_id, forward, state)
         except Exception as exc:  # noqa: BLE001 - the journal must not stop the flash
-            self.d.log(f"warning: flash {job.id}: journal sector update failed: {exc}")
+            log.warning(f"flash {job.id}: journal sector update failed: {exc}")
 
     def _touch(self, job: FlashJobRecord) -> None:
         job.changed.set()
@@ -458,7 +458,7 @@ class FlashService:
                 self._copy_flasher_progress(job, profile, store)
                 store.finish(job.journal_id, "failed", (job.error or {}).get("message"))
         except Exception as exc:  # noqa: BLE001 - the journal must not hide the job's result
-            self.d.log(f"warning: flash {job.id}: journal update failed: {exc}")
+            log.warning(f"flash {job.id}: journal update failed: {exc}")
 
     def _copy_flasher_progress(self, job: FlashJobRecord, profile: Any, store: Any) -> None:
         """Sector states of a failed job, from the flasher's own progress file."""
@@ -483,7 +483,7 @@ class FlashService:
         for t in list(getattr(self.d, "uarts", [])):
             settings = getattr(getattr(t, "link", None), "settings", None)
             if settings is not None and port_identity(settings.url) == ident:
-                self.d.log(f"flash: closing the UART transport on {settings.url} for the job")
+                log.info(f"flash: closing the UART transport on {settings.url} for the job")
                 await t.close()
                 self.d.uarts.remove(t)
                 paused.append(settings)
@@ -498,11 +498,11 @@ class FlashService:
         cfg = self.d.config.serial
         for settings in paused:
             t = UartTransport(settings, DaemonBackend(self.d), echo=cfg.echo,
-                              max_line=cfg.max_line, mode=cfg.mode, log=self.d.log)
+                              max_line=cfg.max_line, mode=cfg.mode)
             try:
                 await t.start()
             except Exception as exc:  # noqa: BLE001 - the daemon keeps running without it
-                self.d.log(f"warning: UART transport on {settings.url} did not restart after "
-                           f"flashing: {exc}")
+                log.warning(f"UART transport on {settings.url} did not restart after "
+                            f"flashing: {exc}")
                 continue
             self.d.uarts.append(t)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 import time
 from collections import defaultdict
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryGuard", "IO_FACTORY"]
 
+log = logging.getLogger(__name__)
+
 # How cgroup files are accessed. Tests that run the daemon on a temporary tree replace it.
 IO_FACTORY: Callable[[], CgroupIO] = CgroupIO
 EVENTS_POLL_S = 1.0  # memory.events poll period when inotify is unavailable
@@ -81,8 +84,8 @@ class MemoryGuard:
         self.status = Status(False, "not started", "", policy=self.policy.name)
         self.events: EventsWatcher | None = None
         self.pressure_file: Path | None = None  # the service's memory.pressure (detection)
-        self.psi = PressureSources(self.policy.pressure.trigger, log=daemon.log,
-                                   on_hit=self._pressure_hit, stopping=lambda: daemon.stopping)
+        self.psi = PressureSources(self.policy.pressure.trigger, on_hit=self._pressure_hit,
+                                   stopping=lambda: daemon.stopping)
         self.oom_kills: dict[str, int] = defaultdict(int)
         self.memory_events: dict[tuple[str, str], int] = defaultdict(int)
         self.transitions: dict[tuple[int, int], int] = defaultdict(int)
@@ -100,7 +103,6 @@ class MemoryGuard:
     # -- startup / shutdown --------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        log = self.d.log
         if not self.cfg.enabled:
             self.status = Status(False, "disabled by configuration (cgroup.enabled = false)",
                                  "set cgroup.enabled = true", policy=self.policy.name)
@@ -110,13 +112,13 @@ class MemoryGuard:
             self.status = self.mgr.setup(self.policy)
             self.pressure_file = self.mgr.detection.pressure_file
         if self.status.available:
-            log(f"cgroup v2: managing {self.status.base} (policy {self.policy.name}); "
-                "this process is in supervisor/, runners go to models/NAME/")
+            log.info(f"cgroup v2: managing {self.status.base} (policy {self.policy.name}); "
+                     "this process is in supervisor/, runners go to models/NAME/")
         else:
-            log(f"cgroup v2: not managed, budgets by accounting only: {self.status.reason}"
-                + (f". Fix: {self.status.fix}" if self.status.fix else ""))
+            log.warning(f"cgroup v2: not managed, budgets by accounting only: {self.status.reason}"
+                        + (f". Fix: {self.status.fix}" if self.status.fix else ""))
         for w in self.status.warnings:
-            log(f"cgroup v2: warning: {w}")
+            log.warning(f"cgroup v2: {w}")
         self.events = EventsWatcher()
         fd = self.events.fileno()
         if fd is not None:
@@ -150,7 +152,7 @@ class MemoryGuard:
         self.psi.close()
         if self.mgr is not None:
             for err in self.mgr.teardown():
-                self.d.log(f"cgroup v2: teardown: {err}")
+                log.warning(f"cgroup v2: teardown: {err}")
 
     # -- runners -------------------------------------------------------------------------------
     def runner_hook(self, name: str, budget: int | None) -> Callable[[int], None] | None:
@@ -227,8 +229,8 @@ class MemoryGuard:
             if ev.is_oom_kill:
                 if ev.key == "oom_group_kill" or ev.group not in self._oom_pending:
                     self._oom_pending[ev.group] = ev
-                self.d.log(f"memory: {ev.describe()}: the kernel killed the runner of model "
-                           f"{ev.group} (its memory.max was reached)")
+                log.error(f"memory: {ev.describe()}: the kernel killed the runner of model "
+                          f"{ev.group} (its memory.max was reached)")
             elif ev.key in LOGGED_KEYS:
                 self._log_event(ev)
 
@@ -244,14 +246,14 @@ class MemoryGuard:
             return
         self._log_last[k] = now
         since = "" if last is None else f" in the last {now - last:.0f} s"
-        self.d.log(f"memory: {ev.group}: {ev.key} +{delta}{since} (total {ev.total}); "
-                   f"logged at most every {EVENT_LOG_INTERVAL_S:g} s per model and event")
+        log.warning(f"memory: {ev.group}: {ev.key} +{delta}{since} (total {ev.total}); "
+                    f"logged at most every {EVENT_LOG_INTERVAL_S:g} s per model and event")
 
     def _flush_event_log(self, group: str | None = None) -> None:
         """Log the increases still held back (all groups, or only `group`)."""
         for k in [k for k in self._log_pending if group is None or k[0] == group]:
             delta, total = self._log_pending.pop(k)
-            self.d.log(f"memory: {k[0]}: {k[1]} +{delta} (total {total}) since the last line")
+            log.warning(f"memory: {k[0]}: {k[1]} +{delta} (total {total}) since the last line")
         for k in [k for k in self._log_last if group is None or k[0] == group]:
             del self._log_last[k]
 
@@ -287,7 +289,7 @@ class MemoryGuard:
 
     def _changed(self, t: Transition) -> None:
         self.transitions[(t.from_stage, t.to_stage)] += 1
-        self.d.log(t.describe())
+        log.log(logging.WARNING if t.to_stage > t.from_stage else logging.INFO, t.describe())
         self._journal("memory_pressure", t.describe())
         for svc in self.d.services.values():
             svc.poke()  # batch limits changed
@@ -298,7 +300,7 @@ class MemoryGuard:
             for svc in self.d.services.values():
                 if (svc.lifecycle.state is ModelState.IDLE and not svc.active
                         and self.d.scheduler.queued(svc.name) == 0):
-                    self.d.log(f"memory pressure: unloading idle model {svc.name}")
+                    log.warning(f"memory pressure: unloading idle model {svc.name}")
                     svc.unload_requested = True
                     svc.poke()
         interval = self.stages.config.escalate_interval_s
@@ -324,7 +326,7 @@ class MemoryGuard:
                    "later, or send it with a higher priority.")
             self.shed[rec.model] += 1
             self.d.fail_record(rec, now, 503, "memory_pressure", msg)
-            self.d.log(msg)
+            log.warning(msg)
             self._journal("memory_pressure", msg)
             svc = self.d.services.get(rec.model)
             if svc is not None:
@@ -384,7 +386,7 @@ class MemoryGuard:
     def _warn(self, text: str) -> None:
         self.status.warnings.append(text)
         del self.status.warnings[:-20]
-        self.d.log(f"cgroup v2: warning: {text}")
+        log.warning(f"cgroup v2: {text}")
 
     def _journal(self, kind: str, message: str) -> None:
         store = getattr(getattr(self.d, "journal", None), "store", None)  # DaemonJournal

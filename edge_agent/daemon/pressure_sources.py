@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ from edge_agent.cgroup.fs import errno_name
 from edge_agent.cgroup.psi import ENV_WATCH, has_cap_sys_resource
 
 __all__ = ["PressureSources", "Source", "PSI_POLL_S", "KIND_HELP"]
+
+log = logging.getLogger(__name__)
 
 PSI_POLL_S = 2.0  # memory.pressure poll period when no trigger can be armed
 RATE_MIN_S = 0.5  # shortest interval a stall share is measured over (else avg10 is used)
@@ -70,10 +73,9 @@ class Source:
 
 
 class PressureSources:
-    def __init__(self, trigger: Trigger, *, log: Callable[[str], None],
-                 on_hit: Callable[[str], None], stopping: Callable[[], bool]) -> None:
+    def __init__(self, trigger: Trigger, *, on_hit: Callable[[str], None],
+                 stopping: Callable[[], bool]) -> None:
         self.trigger = trigger
-        self.log = log
         self.on_hit = on_hit
         self.stopping = stopping
         self.sources: list[Source] = []
@@ -95,11 +97,11 @@ class PressureSources:
         try:
             if drop_ambient(CAP_SYS_RESOURCE):
                 self.capability = "dropped after arming"
-                self.log("memory pressure: dropped CAP_SYS_RESOURCE (the unit grants it only "
+                log.info("memory pressure: dropped CAP_SYS_RESOURCE (the unit grants it only "
                          "so that Linux < 6.5 lets us arm PSI triggers; armed triggers keep "
                          "working, runners never get it)")
         except CgroupError as exc:
-            self.log(f"memory pressure: warning: {exc}")
+            log.warning(f"memory pressure: {exc}")
 
     def _start(self, loop: asyncio.AbstractEventLoop, env: Mapping[str, str],
                service_file: Path | None, leaves: Sequence[tuple[str, Path]]) -> None:
@@ -109,7 +111,7 @@ class PressureSources:
         watch = env.get(ENV_WATCH)
         if watch == "/dev/null":
             self.error = "off ($MEMORY_PRESSURE_WATCH=/dev/null)"
-            self.log(f"memory pressure: {self.error}")
+            log.info(f"memory pressure: {self.error}")
             return
         if watch:
             pw = PressureWatcher.from_env(env, service_file, self.trigger)  # ConfigError
@@ -127,17 +129,17 @@ class PressureSources:
                             for r in self.refused) and self._poll(role, path)):
                     self.error = f"{path} ({role}) not watched: see `refused`"
             if self.refused and not waiting:
-                self.log(f"memory pressure: {self._summary()}")
+                log.warning(f"memory pressure: {self._summary()}")
             return
         if not self.refused:
             self.error = "no pressure source (no PSI file found)"
-            self.log(f"memory pressure: {self.error}")
+            log.warning(f"memory pressure: {self.error}")
             return
         first = next((r for r in self.refused if r["errno"] in _REFUSED and r["psi"]), None)
         if first is None or not self._poll(first["role"], Path(first["file"])):
             self.error = "not watched: " + " | ".join(r["error"] for r in self.refused)
-            self.log(f"memory pressure: not watched: {self._summary()} (each error and its "
-                     "fix is logged above)")
+            log.error(f"memory pressure: not watched: {self._summary()} (each error and its "
+                      "fix is logged above)")
 
     def _arm(self, role: str, pw: PressureWatcher, brief: bool = False) -> bool:
         """Open and arm `pw`; False (recorded in `refused`, logged) when that fails. `brief`:
@@ -151,11 +153,11 @@ class PressureSources:
                 why = ("systemd < 254 leaves it root-owned" if exc.errno == errno.EACCES
                        else "no CAP_SYS_RESOURCE on a kernel < 6.5, or a window not a multiple "
                        "of 2 s on >= 6.5")
-                self.log(f"memory pressure: no trigger on {pw.path} ({role}): "
+                log.info(f"memory pressure: no trigger on {pw.path} ({role}): "
                          f"{errno_name(exc.errno or 0)} ({why}); trying the supervisor/ and "
                          "models/ groups this process owns")
             else:
-                self.log(f"memory pressure: cannot watch {pw.path} ({role}): {exc}")
+                log.warning(f"memory pressure: cannot watch {pw.path} ({role}): {exc}")
             return False
         assert self._loop is not None
         src = Source(pw.path, pw.kind, role, pw, note=pw.note,
@@ -163,7 +165,7 @@ class PressureSources:
         self.sources.append(src)
         self._loop.add_reader(pw.fileno(), self._on_ready, src)
         self._readers[pw.fileno()] = src
-        self.log(f"memory pressure: watching {pw.path} ({pw.kind}, {role}"
+        log.info(f"memory pressure: watching {pw.path} ({pw.kind}, {role}"
                  + (f"; {pw.note}" if pw.note else "") + ")")
         return True
 
@@ -178,15 +180,15 @@ class PressureSources:
         try:
             read_pressure(path)
         except CgroupError as exc:
-            self.log(f"memory pressure: cannot poll {path} either: {exc}")
+            log.warning(f"memory pressure: cannot poll {path} either: {exc}")
             return False
         why = self._summary()
         self.sources.append(Source(path, "poll", role, trigger=self.threshold_text()))
         self.error = (f"polling {path} instead of a trigger: "
                       + " | ".join(r["error"] for r in self.refused))
-        self.log(f"memory pressure: polling {path} ({self.threshold_text()}) every "
-                 f"{PSI_POLL_S:g} s instead of a trigger: {why} (each refusal and its fix is "
-                 "logged above)")
+        log.warning(f"memory pressure: polling {path} ({self.threshold_text()}) every "
+                    f"{PSI_POLL_S:g} s instead of a trigger: {why} (each refusal and its fix is "
+                    "logged above)")
         self._schedule_poll()
         return True
 
@@ -220,7 +222,7 @@ class PressureSources:
         self.sources.remove(src)
         self.error = f"{src.path} no longer watched: {why}"
         left = ", ".join(str(s.path) for s in self.sources) or "nothing"
-        self.log(f"memory pressure: {self.error} (still watching: {left})")
+        log.error(f"memory pressure: {self.error} (still watching: {left})")
 
     def _schedule_poll(self) -> None:
         if self._loop is None or self.stopping():

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from edge_agent.protocol.api import GenerationRequest
+from edge_agent.runtime.stops import StopText
 from edge_agent.scheduler import Job
 
 __all__ = ["RequestRecord"]
@@ -42,9 +43,8 @@ class RequestRecord:
         self.max_new = max(1, min(request.max_tokens, context - prompt_tokens))
         self.tokens: list[int] = []
         self.pieces: list[str] = []
-        self.pending = ""  # decoded text held back (could start a stop string)
+        self.stops = StopText(request.stop)  # holds back text that could start a stop string
         self.text = ""  # released text
-        self.hold = max((len(s) for s in request.stop), default=1) - 1
         self.replay = 0  # generated-token index of the current attempt
         self.attempt_start = 0  # len(tokens) when the current attempt began
         self.finish_reason: str | None = None
@@ -75,41 +75,25 @@ class RequestRecord:
         if index < len(self.tokens):
             return False  # regenerated during a replay: already emitted
         if token in self.stop_ids:
-            self.pending += self.decoder.flush()
-            if self._check_stop():
-                return True
-            self._release(final=True)
+            self._release(self.stops.end(self.decoder.flush()))
             self.finish("stop")
             return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.tokens.append(token)
-        self.pending += self.decoder.push(token)
-        if self._check_stop():
-            return True
-        if len(self.tokens) >= self.max_new:
-            self.pending += self.decoder.flush()
-            if self._check_stop():
+        out = self.stops.push(self.decoder.push(token))
+        if not self.stops.stopped and len(self.tokens) >= self.max_new:
+            out += self.stops.end(self.decoder.flush())
+            if not self.stops.stopped:
+                self._release(out)
+                self.finish("length")
                 return True
-            self._release(final=True)
-            self.finish("length")
-            return True
-        self._release(final=False)
-        return False
+        self._release(out)
+        if self.stops.stopped:
+            self.finish("stop")
+        return self.stops.stopped
 
-    def _check_stop(self) -> bool:
-        found = [i for i in (self.pending.find(s) for s in self.request.stop) if i >= 0]
-        if not found:
-            return False
-        self.pending = self.pending[: min(found)]
-        self._release(final=True)
-        self.finish("stop")
-        return True
-
-    def _release(self, *, final: bool) -> None:
-        keep = 0 if final else min(self.hold, len(self.pending))
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
+    def _release(self, out: str) -> None:
         self.text += out
         if len(self.pieces) < len(self.tokens):  # the piece of the newest token
             while len(self.pieces) < len(self.tokens) - 1:

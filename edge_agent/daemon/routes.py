@@ -28,6 +28,7 @@ from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import (
+    MAX_TOKENS_LIMIT,
     SSE_DONE,
     ApiError,
     check_query,
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Router", "cgroup_info"]
 
-MAX_TOKENS_LIMIT = 8192
 OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POST /api/chat, "
                  "/api/generate, /api/show (docs/api.md).")
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
@@ -147,7 +147,7 @@ class Router:
     # -- status --------------------------------------------------------------------------------
     async def health(self, req: Request) -> Reply:
         d = self.d
-        status = "stopping" if d.stopping else ("serving" if d.ready else "loading")
+        status = d.status()
         models = {n: s.to_dict() for n, s in d.services.items()}
         body = {
             "status": status, "pid": os.getpid(),

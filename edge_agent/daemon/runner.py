@@ -22,6 +22,7 @@ Invariants owned here:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ from typing import Any
 
 from edge_agent.daemon.ipc import recv_frame, send_frame
 from edge_agent.errors import EdgeAgentError
+from edge_agent.logs import configure
 from edge_agent.runtime.engines import EngineLike, load_engine
 
 __all__ = ["main", "WARMUP_ID"]
@@ -52,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="0: the cores this runner may use")
     p.add_argument("--engine", default="auto", help="auto, llamacpp or numpy")
+    p.add_argument("--log-level", default="INFO", help="the control plane's edge_agent level")
     return p
 
 
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     # the control plane shuts down cleanly and ends this runner (EOF, then SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = _parser().parse_args(argv)
+    configure(logging.getLevelName(args.log_level))  # lines like the control plane's
     sock = socket.socket(fileno=args.fd)
     try:
         return _serve(sock, args)

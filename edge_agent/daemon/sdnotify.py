@@ -11,16 +11,17 @@ Invariants owned here:
 - The environment is a parameter; nothing here reads os.environ implicitly except as the default.
 - Sending never stalls or kills the caller's event loop: the datagram socket is non-blocking, a
   notification that would block (the manager's queue is full) or fails (its socket is gone) is
-  dropped, reported through `log` (once per kind of failure until a send succeeds again) and
-  `send` returns False. NotifyError is raised only for setup errors (malformed variables).
+  dropped, reported through `log` (default: this module's logger, as a warning; once per kind
+  of failure until a send succeeds again) and `send` returns False. NotifyError is raised only
+  for setup errors (malformed variables).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
-import sys
 from collections.abc import Callable, Mapping
 
 from edge_agent.errors import EdgeAgentError
@@ -41,8 +42,7 @@ class NotifyError(EdgeAgentError, OSError):
     """A malformed systemd environment variable (setup error; sends never raise it)."""
 
 
-def _stderr_log(text: str) -> None:
-    print(f"edge-agent: warning: {text}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def _address(value: str) -> str | bytes:
@@ -64,7 +64,7 @@ class Notifier:
         self.address = address
         self._target = _address(address) if address else None
         self._sock: socket.socket | None = None
-        self._log = log if log is not None else _stderr_log
+        self._log = log if log is not None else logger.warning
         self._last_failure: int | None = None  # errno of the last reported failure
         self.dropped = 0  # notifications that could not be sent
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
 __all__ = ["ModelService", "EvictionTimeout"]
+
+log = logging.getLogger(__name__)
 
 EVICT_WAIT_S = 60.0  # how long a load waits for the models it evicts to unload
 EVICT_ROUNDS = 3
@@ -427,8 +430,8 @@ class ModelService:
             victims = self._plan_room()
             if not victims:
                 return
-            self.daemon.log(f"model {self.name}: evicting idle {', '.join(victims)} "
-                            f"(least recently used) to fit the memory limit")
+            log.info(f"model {self.name}: evicting idle {', '.join(victims)} "
+                     f"(least recently used) to fit the memory limit")
             for victim in victims:
                 self.daemon.services[victim].unload_requested = True
                 self.daemon.services[victim].poke()
@@ -474,7 +477,7 @@ class ModelService:
                 f"model {self.name!r}: load failed with {type(exc).__name__}: {exc}. "
                 "Hint: this is a daemon bug; the daemon's log has the details.")
             if not isinstance(exc, (EdgeAgentError, OSError)):
-                self.daemon.log(f"model {self.name}: unexpected load error: {exc!r}")
+                log.error(f"model {self.name}: unexpected load error: {exc!r}")
             if self.runner is not None:
                 with contextlib.suppress(Exception):
                     await self.runner.stop()
@@ -557,7 +560,7 @@ class ModelService:
         if self.lifecycle.can_serve:
             self.lifecycle.lost(now, reason)
         self.daemon.metrics.model_event(self.name, "runner_lost")
-        self.daemon.log(f"model {self.name}: {reason}; {len(ids)} running request(s) requeued")
+        log.warning(f"model {self.name}: {reason}; {len(ids)} running request(s) requeued")
 
 
 def _until(t: float | None, now: float) -> float | None:

@@ -21,6 +21,7 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from edge_agent.daemon.requests import RequestRecord
 
 __all__ = ["Sessions", "continuation_ids"]
+
+log = logging.getLogger(__name__)
 
 
 def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -139,7 +142,7 @@ class Sessions:
         try:
             store.save_session(sid, rec.model, history, turn=rec.id)
         except JournalError as exc:
-            self.daemon.log(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
+            log.warning(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
 
     def _turn_end(self, model: str) -> list[int]:
         return list(self.daemon.services[model].ensure_tokenizer().turn_end_ids())

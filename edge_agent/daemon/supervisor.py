@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,11 @@ __all__ = ["RunnerHandle", "RunnerLoadError", "RunnerGone", "RUNNER_ENV_DROP"]
 # systemd hands these to the daemon only; a runner must not notify or adopt sockets.
 RUNNER_ENV_DROP = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
                              "LISTEN_PID", "LISTEN_FDNAMES"})
+
+
+def _log_level() -> str:
+    """The control plane's `edge_agent` level, for the runner's --log-level."""
+    return logging.getLevelName(logging.getLogger("edge_agent").getEffectiveLevel())
 
 
 class RunnerLoadError(EdgeAgentError):
@@ -68,7 +74,7 @@ class RunnerHandle:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "edge_agent.daemon.runner", "--fd", str(child.fileno()),
-                *self.args, pass_fds=(child.fileno(),), env=self.env,
+                *self.args, "--log-level", _log_level(), pass_fds=(child.fileno(),), env=self.env,
                 stdin=asyncio.subprocess.DEVNULL,
             )
         finally:

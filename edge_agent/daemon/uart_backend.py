@@ -12,11 +12,12 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.protocol.api import ApiError, parse_generation
+from edge_agent.protocol.api import MAX_TOKENS_LIMIT, ApiError, parse_generation
 from edge_agent.transports.serial_link import LinkSettings
 from edge_agent.transports.uart import (
     BackendError,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DaemonBackend", "start_uarts", "close_uarts", "serial_ports"]
 
-MAX_TOKENS_LIMIT = 8192
+log = logging.getLogger(__name__)
 
 
 class DaemonBackend:
@@ -57,7 +58,7 @@ class DaemonBackend:
             rec = self.d.submit(greq)
         except ApiError as exc:
             raise BackendError(exc.code, exc.message) from exc
-        self.d.log(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
+        log.info(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
         return rec.id
 
     async def events(self, request_id: str, from_index: int = 0) -> AsyncIterator[StreamEvent]:
@@ -83,9 +84,8 @@ class DaemonBackend:
 
     def status(self) -> dict[str, Any]:
         d = self.d
-        state = "stopping" if d.stopping else ("serving" if d.ready else "loading")
         return {
-            "state": state,
+            "state": d.status(),
             "uptime_s": round(time.monotonic() - d.started, 1),
             "models": {n: s.lifecycle.state.value for n, s in d.services.items()},
             "queue": {"depth": d.scheduler.depth, "queue_max": d.scheduler.config.queue_max},
@@ -151,15 +151,15 @@ async def start_uarts(daemon: Daemon) -> list[UartTransport]:
         settings = LinkSettings(url, baudrate=cfg.baudrate, parity=cfg.parity,
                                 stopbits=cfg.stopbits, rtscts=cfg.rtscts)
         t = UartTransport(settings, backend, echo=cfg.echo, max_line=cfg.max_line,
-                          mode=cfg.mode, log=daemon.log)
+                          mode=cfg.mode)
         try:
             await t.start()
         except BaseException:
             await close_uarts(started + [t])
             raise
         started.append(t)
-        daemon.log(f"serial {url}: {'open' if t.link.up else 'not present yet, retrying'} "
-                   f"({settings.baudrate} baud, {t.session.mode} mode)")
+        log.info(f"serial {url}: {'open' if t.link.up else 'not present yet, retrying'} "
+                 f"({settings.baudrate} baud, {t.session.mode} mode)")
     return started
 
 

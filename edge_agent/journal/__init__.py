@@ -52,4 +52,4 @@ __all__ = [
 
 def open_store(path: str, **kwargs: object) -> JournalStore:
     """`JournalStore(open_journal(path, **kwargs))`."""
-    return JournalStore(open_journal(path, **kwargs))  # type: ignore[arg-type]
+    return JournalStore(open_journal(path, **kwargs))  # type: ignore[arg-type]  # open_journal's keywords, passed through

@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.scheduler.jobs import MAX_PRIORITY, MIN_PRIORITY
 
 __all__ = [
     "ApiError",
@@ -66,14 +67,13 @@ __all__ = [
     "SSE_DONE",
     "MAX_STOP",
     "SESSION_MAX_LEN",
-    "PRIORITY_MIN",
-    "PRIORITY_MAX",
+    "MAX_TOKENS_LIMIT",
+    "field_error",
 ]
 
 MAX_STOP = 4
 SESSION_MAX_LEN = 128
-PRIORITY_MIN = 0
-PRIORITY_MAX = 10
+MAX_TOKENS_LIMIT = 8192  # the largest max_tokens any request may ask for (HTTP and UART)
 ROLES = ("system", "user", "assistant")
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_JSON_DEPTH = 64  # nested arrays/objects, the top-level object included
@@ -153,9 +153,13 @@ class GenerationRequest:
         }
 
 
-def _bad(field: str, problem: str, hint: str, code: str = "invalid_request") -> ApiError:
+def field_error(field: str, problem: str, hint: str, code: str = "invalid_request") -> ApiError:
+    """The 400 for one bad field: "field 'x': problem. Hint: hint" (`param` names it)."""
     param = None if field == "request body" or field.startswith("a key in ") else field
     return ApiError(400, code, f"field {field!r}: {problem}. Hint: {hint}", param=param)
+
+
+_bad = field_error  # the short name this module's many checks use
 
 
 def error_type(status: int) -> str:
@@ -677,7 +681,7 @@ def parse_generation(
         seed=seed,
         stop=_stop(d),
         stream=stream,
-        priority=_int(d, "priority", None, PRIORITY_MIN, PRIORITY_MAX),
+        priority=_int(d, "priority", None, MIN_PRIORITY, MAX_PRIORITY),
         timeout_ms=_int(d, "timeout_ms", None, 1, 7 * 24 * 3600 * 1000),
         session=_session(d),
     )

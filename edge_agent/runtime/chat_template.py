@@ -491,7 +491,7 @@ def _environment() -> _Sandbox:
         )
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
                    extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.concat = _concat  # type: ignore[method-assign]
+    env.concat = _concat  # type: ignore[method-assign]  # our concat bounds the output size
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.globals["range"] = _range

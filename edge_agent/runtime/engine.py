@@ -394,36 +394,25 @@ def stream_text(tokenizer: Any, tokens: Generator[int, None, None], stop: tuple[
     """Text pieces of a token stream, whole UTF-8 characters only, cut before the first of
     `stop` (text held back only as long as it could still start a stop string). `on_token(id)`
     sees every generated token id. Closing the pieces closes `tokens`."""
+    from edge_agent.runtime.stops import StopText
     from edge_agent.runtime.tokenizer import IncrementalDecoder
 
     decoder = IncrementalDecoder(tokenizer)
-    hold = max((len(s) for s in stop), default=1) - 1
-    pending = ""
+    stops = StopText(stop)
     try:
         for token in tokens:
             if on_token is not None:
                 on_token(token)
-            pending += decoder.push(token)
-            cut = _find_stop(pending, stop)
-            if cut is not None:
-                if pending[:cut]:
-                    yield pending[:cut]
+            out = stops.push(decoder.push(token))
+            if out:
+                yield out
+            if stops.stopped:
                 return
-            if len(pending) > hold:
-                yield pending[: len(pending) - hold]
-                pending = pending[len(pending) - hold :]
-        pending += decoder.flush()
-        cut = _find_stop(pending, stop)
-        pending = pending if cut is None else pending[:cut]
-        if pending:
-            yield pending
+        out = stops.end(decoder.flush())
+        if out:
+            yield out
     finally:
         tokens.close()
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
 
 
 def greedy_ids(engine: Engine, prompt_ids: Sequence[int], n: int) -> list[int]:

@@ -52,7 +52,7 @@ from edge_agent.runtime.sampling import SamplingParams, sample_rows
 
 __all__ = ["LlamaCppEngine", "LlamaCppError", "default_threads"]
 
-log = logging.getLogger("edge_agent.llamacpp")
+log = logging.getLogger(__name__)
 
 BATCH_TOKENS = 512  # tokens per llama_decode call while prefilling (llama.cpp's n_batch)
 
@@ -232,7 +232,7 @@ class LlamaCppEngine:
                     from edge_agent.runtime.weights import MemoryLockError
 
                     raise MemoryLockError(report["error"])
-                log.warning("edge-agent: serving UNLOCKED weights (mlock policy best-effort): "
+                log.warning("serving UNLOCKED weights (mlock policy best-effort): "
                             "%s", report["error"])
             else:
                 report["locked"] = True

@@ -129,7 +129,7 @@ class PinnedWeights:
             if mlock == "required":
                 self.close()
                 raise MemoryLockError(lock.error)
-            log.warning("edge-agent: serving UNLOCKED weights (mlock policy best-effort): %s",
+            log.warning("serving UNLOCKED weights (mlock policy best-effort): %s",
                         lock.error)
         return self
 

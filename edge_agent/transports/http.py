@@ -45,10 +45,10 @@ import asyncio
 import contextlib
 import errno
 import grp
+import logging
 import os
 import socket
 import stat
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -115,8 +115,7 @@ def _err(status: int, code: str, message: str,
     return Response(status, error_body(code, message, status=status), headers=headers)
 
 
-def _stderr(text: str) -> None:
-    print(f"edge-agent: {text}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 class _Disconnected(Exception):
@@ -176,7 +175,7 @@ class HttpServer:
                  max_connections: int = 256, health_slots: int = 8,
                  priority_paths: Sequence[str] = ("/health",),
                  accept_retry_s: float = 0.5, log_interval_s: float = 60.0,
-                 log: Callable[[str], None] = _stderr) -> None:
+                 log: Callable[[str], None] = logger.warning) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s

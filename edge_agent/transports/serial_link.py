@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -32,11 +33,13 @@ import serial.serialposix
 try:
     import termios
 except ImportError:  # pragma: no cover - not POSIX
-    termios = None  # type: ignore[assignment]
+    termios = None  # type: ignore[assignment]  # None marks a platform without termios
 
 from edge_agent.errors import ConfigError
 
 __all__ = ["LinkSettings", "SerialLink", "SerialLinkError", "PARITIES", "unapplied_settings"]
+
+log = logging.getLogger(__name__)
 
 PARITIES = {"none": serial.PARITY_NONE, "even": serial.PARITY_EVEN, "odd": serial.PARITY_ODD,
             "mark": serial.PARITY_MARK, "space": serial.PARITY_SPACE}
@@ -101,12 +104,10 @@ class SerialLink:
     """One port: `start()`, `write(bytes)`, `close()`; bytes arrive through `on_data`."""
 
     def __init__(self, settings: LinkSettings, on_data: Callable[[bytes], None], *,
-                 log: Callable[[str], None] = lambda text: None,
                  on_state: Callable[[bool], None] = lambda up: None,
                  opener: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.on_data = on_data
-        self.log = log
         self.on_state = on_state
         self._opener = opener or settings.open_port
         self.port: Any = None
@@ -172,9 +173,9 @@ class SerialLink:
         except (serial.SerialException, OSError) as exc:
             self.counters["open_failures"] += 1
             if first or self.counters["open_failures"] % 20 == 1:
-                self.log(f"serial {self.settings.url}: open failed ({exc}); retrying with "
-                         "backoff. Hint: check the cable/adapter and that no other program "
-                         "holds the port.")
+                log.warning(f"serial {self.settings.url}: open failed ({exc}); retrying with "
+                            "backoff. Hint: check the cable/adapter and that no other program "
+                            "holds the port.")
             return False
         if self._stop.is_set():
             port.close()
@@ -183,12 +184,12 @@ class SerialLink:
         missing = unapplied_settings(port)
         if missing:
             self.counters["settings_ignored"] = len(missing)
-            self.log(f"serial {self.settings.url}: the device ignored {', '.join(missing)} "
-                     "(a pseudo-terminal has no parity or flow control). Hint: test those "
-                     "settings over socket:// or real hardware.")
+            log.warning(f"serial {self.settings.url}: the device ignored {', '.join(missing)} "
+                        "(a pseudo-terminal has no parity or flow control). Hint: test those "
+                        "settings over socket:// or real hardware.")
         if not first:
             self.counters["reopens"] += 1
-            self.log(f"serial {self.settings.url}: reopened")
+            log.info(f"serial {self.settings.url}: reopened")
         return True
 
     def _attach(self, port: Any) -> None:
@@ -226,7 +227,7 @@ class SerialLink:
         if port is not self.port or self._stop.is_set():
             return
         self.counters["link_lost"] += 1
-        self.log(f"serial {self.settings.url}: link lost ({why}); reopening with backoff")
+        log.warning(f"serial {self.settings.url}: link lost ({why}); reopening with backoff")
         self._drop_port()
         self._schedule_reopen()
 

@@ -331,13 +331,11 @@ class UartTransport:
     """A SerialLink and a UartSession glued together; what the daemon starts per port."""
 
     def __init__(self, settings: LinkSettings, backend: Backend, *, echo: bool = True,
-                 max_line: int = 512, mode: str = "auto", gap_s: float = 0.5,
-                 log: Callable[[str], None] = lambda text: None) -> None:
+                 max_line: int = 512, mode: str = "auto", gap_s: float = 0.5) -> None:
         self.session = UartSession(backend, self._write, name=settings.url, echo=echo,
                                    max_line=max_line, mode=mode, gap_s=gap_s,
                                    extra_status=self._link_stats)
-        self.link = SerialLink(settings, self.session.feed, log=log,
-                               on_state=self.session.link_state)
+        self.link = SerialLink(settings, self.session.feed, on_state=self.session.link_state)
 
     def _write(self, data: bytes) -> None:
         self.link.write(data)

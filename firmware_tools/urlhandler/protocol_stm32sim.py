@@ -23,7 +23,7 @@ __all__ = ["Serial"]
 class Serial(SerialBase):
     """A serial port whose far end is a `firmware_tools.simulator.Stm32Simulator`."""
 
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
         self.sim = None
         super().__init__(*args, **kwargs)
 
@@ -52,7 +52,7 @@ class Serial(SerialBase):
     def _reconfigure_port(self) -> None:
         """Any baud rate and parity are accepted (the simulator has no UART to mis-set)."""
 
-    def _live(self):  # type: ignore[no-untyped-def]
+    def _live(self):  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
         if not self.is_open or self.sim is None:
             raise PortNotOpenError()
         if self.sim.dropped:
@@ -90,7 +90,7 @@ class Serial(SerialBase):
             self._live()
         return bytes(out)
 
-    def write(self, data) -> int:  # type: ignore[no-untyped-def]
+    def write(self, data) -> int:  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
         sim = self._live()
         data = bytes(data)
         sim.receive(data, time.monotonic())

@@ -32,7 +32,7 @@ def open_pty() -> tuple[int, int, str]:
     return master, slave, os.ttyname(slave)
 
 
-def serve_fd(sim, read_fd: int, write_fd: int, *, stop_on_eof: bool = True) -> str:  # type: ignore[no-untyped-def]
+def serve_fd(sim, read_fd: int, write_fd: int, *, stop_on_eof: bool = True) -> str:  # type: ignore[no-untyped-def]  # sim is a Stm32Simulator, imported lazily
     """Pump bytes between the fd and the simulator until EOF or a link drop; returns why."""
     while True:
         now = time.monotonic()
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
               f"commands: {len(sim.log)}", file=sys.stderr)
 
 
-def _serve(args: argparse.Namespace, sim) -> int:  # type: ignore[no-untyped-def]
+def _serve(args: argparse.Namespace, sim) -> int:  # type: ignore[no-untyped-def]  # sim is a Stm32Simulator, imported lazily
     if args.pty:
         master, slave, path = open_pty()
         print(path, flush=True)
