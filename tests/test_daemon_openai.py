@@ -88,8 +88,8 @@ def test_unknown_and_unsupported_fields_are_bad_requests_naming_them(
     assert isinstance(err.body, dict) and err.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
-                                       max_tokens=2, response_format={"type": "json_object"})
-    assert info.value.code == "unsupported_parameter" and info.value.param == "response_format"
+                                       max_tokens=2, logit_bias={"50": -100})
+    assert info.value.code == "unsupported_parameter" and info.value.param == "logit_bias"
     assert "not supported yet" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True)

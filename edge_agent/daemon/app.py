@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from edge_agent.daemon import structured
 from edge_agent.daemon.durable import DaemonJournal
 from edge_agent.daemon.flashing import FlashService
 from edge_agent.daemon.memory_guard import MemoryGuard
@@ -245,9 +246,7 @@ class Daemon:
         if req.session is not None:  # history + the new turn (daemon/sessions.py)
             prompt_ids = self.sessions.prompt_ids(req, name, tok)
         elif req.chat:
-            assert req.messages is not None
-            prompt_ids = list(tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages]))
+            prompt_ids = structured.chat_prompt(req, tok)  # tools and tool turns included
         else:
             prompt_ids = list(tok.encode(req.prompt or ""))
         field = "messages" if req.chat else "prompt"
@@ -267,10 +266,14 @@ class Daemon:
             raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
                            f"do not fit the context of {svc.context} tokens of model "
                            f"{name!r}. Hint: shorten the prompt or raise the model's context.")
+        params = req.sampling_dict(secrets.randbits(32))
+        grammar = structured.grammar_for(req, tok)  # 400 when the schema cannot be used
+        if grammar is not None:
+            params["grammar"] = grammar  # journaled with the params: a resume keeps it
         now = time.monotonic()
         job = Job(
             id=f"req-{uuid.uuid4().hex[:20]}", model=name, prompt_ids=prompt_ids,
-            params=req.sampling_dict(secrets.randbits(32)),
+            params=params,
             priority=req.priority if req.priority is not None else int(svc.entry.priority),
             deadline_at=None if req.timeout_ms is None else now + req.timeout_ms / 1000.0,
         )

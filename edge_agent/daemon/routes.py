@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_agent.daemon import structured
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
@@ -250,7 +251,8 @@ class Router:
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
-            completion_tokens=len(rec.tokens))
+            completion_tokens=len(rec.tokens),
+            tool_calls=structured.tool_calls(rec.request, rec.text, rec.id))
         return _json(200, body)
 
     async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:

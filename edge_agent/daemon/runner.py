@@ -80,13 +80,19 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
     errors: dict[str, str] = {}
     for add in msg.get("add", ()):
         try:
-            new.append(NewSeq(add["id"], list(add["prompt"]), _params(add["params"]),
-                              list(add.get("generated", ()))))
+            seq = NewSeq(add["id"], list(add["prompt"]), _params(add["params"]),
+                         list(add.get("generated", ())))
+            grammar = add["params"].get("grammar")
+            if grammar is not None:  # constrained decoding: masks from the first token on
+                engine.constraints.start(seq.seq_id, grammar, seq.generated)
+            new.append(seq)
         except (TypeError, ValueError, EdgeAgentError) as exc:
             errors[add["id"]] = str(exc)
     added, failed = engine.add_many(new)  # similar-length prompts share one forward
     tokens = {sid: int(tok) for sid, tok in added.items()}
     errors.update((sid, str(exc)) for sid, exc in failed.items())
+    for sid in failed:
+        engine.constraints.release(sid)  # drops a grammar started for it
     step_ids = [s for s in msg.get("step", ()) if s not in errors]
     if step_ids:
         try:

@@ -9,7 +9,7 @@ Invariants owned here:
   in body order). A known field is honored; or on the documented ignore list (accepted, type
   checked, no effect: IGNORED_FIELDS); or an OpenAI parameter this server does not implement
   (400 `unsupported_parameter`), unless it carries its neutral value (`presence_penalty: 0`,
-  `response_format: {"type": "text"}`, ...), which changes nothing. `null` is as if absent.
+  `logit_bias: {}`, ...), which changes nothing. `null` is as if absent.
 - Error bodies are OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; `type`
   follows the status (`invalid_request_error` for 4xx, `server_error` for 5xx), `param` names
   the field (`None` when the error is about no single field).
@@ -74,7 +74,7 @@ __all__ = [
 MAX_STOP = 4
 SESSION_MAX_LEN = 128
 MAX_TOKENS_LIMIT = 8192  # the largest max_tokens any request may ask for (HTTP and UART)
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_JSON_DEPTH = 64  # nested arrays/objects, the top-level object included
 MAX_NUMBER_DIGITS = 64  # characters of one number literal (sign, point and exponent included)
@@ -120,7 +120,9 @@ class ApiError(EdgeAgentError):
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str  # "" for an assistant message that only calls tools (content null)
+    tool_calls: tuple[dict[str, Any], ...] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,10 @@ class GenerationRequest:
     priority: int | None
     timeout_ms: int | None
     session: str | None = None  # conversation id: its token history is kept by the daemon
+    # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}; None: text
+    response_format: dict[str, Any] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # [{"type": "function", "function": ...}]
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {named}
 
     def sampling_dict(self, seed: int) -> dict[str, Any]:
         """Plain data for the runner's SamplingParams (the seed resolved by the caller)."""
@@ -434,6 +440,14 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
             raise _bad(f"{where}.role", f"{_show(role)} is not a known role",
                        f"use one of {', '.join(ROLES)}")
         content = m.get("content")
+        calls = _tool_calls(m.get("tool_calls"), where, role)
+        call_id = m.get("tool_call_id")
+        if role == "tool" and (not isinstance(call_id, str) or not call_id):
+            raise _bad(f"{where}.tool_call_id", f"expected the id of the tool call this "
+                       f"message answers, got {_show(call_id)}",
+                       'send {"role": "tool", "tool_call_id": "call_...", "content": "..."}')
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # OpenAI content parts: keep the text parts
             parts = []
             for j, p in enumerate(content):
@@ -446,17 +460,151 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(content, str):
             raise _bad(f"{where}.content", f"expected a string, got {_show(content)}",
                        "send the message text as a string")
-        out.append(ChatMessage(role, content))
+        out.append(ChatMessage(role, content, calls,
+                               call_id if role == "tool" else None))
     return tuple(out)
+
+
+def _tool_calls(v: Any, where: str, role: Any) -> tuple[dict[str, Any], ...] | None:
+    """An assistant message's `tool_calls` as OpenAI sends them back."""
+    if v is None or v == []:
+        return None
+    if role != "assistant":
+        raise _bad(f"{where}.tool_calls", "only assistant messages carry tool calls",
+                   'send the tool\'s answer as {"role": "tool", "tool_call_id": ..., '
+                   '"content": ...}')
+    if not isinstance(v, list):
+        raise _bad(f"{where}.tool_calls", f"expected a list, got {_show(v)}",
+                   "send back the tool_calls of the reply as they came")
+    out = []
+    for j, call in enumerate(v):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str) and isinstance(call.get("id"), str)):
+            raise _bad(f"{where}.tool_calls[{j}]", f"expected {{\"id\": STRING, \"type\": "
+                       f"\"function\", \"function\": {{\"name\": STRING, \"arguments\": "
+                       f"JSON STRING}}}}, got {_show(call)}",
+                       "send back the tool_calls of the reply as they came")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return tuple(out)
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _response_format(d: Mapping[str, Any]) -> dict[str, Any] | None:
+    """None for text; else {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"?, "description"?}} (the schema is compiled by the daemon)."""
+    v = d.get("response_format")
+    if v is None:
+        return None
+    hint = ('use {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": '
+            '"x", "schema": {...}}}')
+    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMATS:
+        raise _bad("response_format", f"expected an object with a type of "
+                   f"{', '.join(RESPONSE_FORMATS)}, got {_show(v)}", hint)
+    kind = v["type"]
+    extra = sorted(set(v) - {"type", "json_schema"})
+    if extra or (kind != "json_schema" and "json_schema" in v):
+        raise _bad(f"response_format.{_show_key((extra or ['json_schema'])[0])}",
+                   f"not a field of a {kind!r} response format", hint)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    js = v.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(js, dict):
+        raise _bad(where, f"expected an object, got {_show(js)}", hint)
+    for key in js:
+        if key not in ("name", "schema", "strict", "description"):
+            raise _unknown(f"{where}.{key}", [f"{where}.{k}" for k in
+                                              ("name", "schema", "strict", "description")])
+    name = js.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise _bad(f"{where}.name", f"expected a name of 1..64 characters a-z A-Z 0-9 _ -, "
+                   f"got {_show(name)}", 'use e.g. "name": "person"')
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _bad(f"{where}.schema", f"expected a JSON Schema object, got {_show(schema)}",
+                   'use e.g. {"type": "object", "properties": {...}}')
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"{where}.strict", f"expected true or false, got {_show(strict)}",
+                   '"strict": true (the output always follows the schema here)')
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                   "strict": bool(strict)}}
+
+
+def _tools(d: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None,
+                                          str | dict[str, Any] | None]:
+    """(tools, tool_choice) validated; tool_choice defaults to "auto" with tools."""
+    v, choice = d.get("tools"), d.get("tool_choice")
+    hint = ('send [{"type": "function", "function": {"name": "get_weather", "parameters": '
+            '{"type": "object", "properties": {...}}}}]')
+    if v is None or v == []:
+        if choice is not None and choice != "none":
+            raise _bad("tool_choice", f"{_show(choice)} given without tools",
+                       "send tools too, or leave tool_choice out")
+        return None, None
+    if not isinstance(v, list):
+        raise _bad("tools", f"expected a list of tools, got {_show(v)}", hint)
+    out, names = [], []
+    for i, tool in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _bad(f"{where}.type", f"expected a tool of type \"function\", got "
+                       f"{_show(tool)}", hint)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", f"expected an object, got {_show(fn)}", hint)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name) or name in names:
+            problem = "is defined twice" if name in names else "is not a name of 1..64 " \
+                "characters a-z A-Z 0-9 _ -"
+            raise _bad(f"{where}.function.name", f"{_show(name)} {problem}",
+                       "give each function a unique name such as get_weather")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters", f"expected a JSON Schema object, got "
+                       f"{_show(params)}", hint)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise _bad(f"{where}.function.description", f"expected a string, got "
+                       f"{_show(desc)}", "describe the function in a sentence")
+        names.append(name)
+        entry: dict[str, Any] = {"name": name, "parameters": params}
+        if desc:
+            entry["description"] = desc
+        out.append({"type": "function", "function": entry})
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise _bad("tool_choice", f"{_show(choice)} names no function of tools (they "
+                       f"are {', '.join(names)})", 'use {"type": "function", "function": '
+                       '{"name": NAME}} with a NAME from tools, or "auto"')
+        choice = {"type": "function", "function": {"name": name}}
+    elif choice not in ("none", "auto", "required"):
+        raise _bad("tool_choice", f"expected \"none\", \"auto\", \"required\" or "
+                   f"{{\"type\": \"function\", ...}}, got {_show(choice)}",
+                   'use "auto" (the model decides) or "required"')
+    return tuple(out), choice
 
 # ----- which top-level fields each endpoint takes ------------------------------------------------
 
 _CHAT, _COMPLETION = "chat", "completion"
 _BOTH = frozenset((_CHAT, _COMPLETION))
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
+           "response_format")
 EXTENSION_FIELDS = ("top_k", "priority", "timeout_ms", "session")  # not OpenAI's; honored
 HONORED_FIELDS: dict[str, frozenset[str]] = {
-    _CHAT: frozenset(("messages", "max_completion_tokens", *_COMMON, *EXTENSION_FIELDS)),
+    _CHAT: frozenset(("messages", "max_completion_tokens", "tools", "tool_choice", *_COMMON,
+                      *EXTENSION_FIELDS)),
     _COMPLETION: frozenset(("prompt", *_COMMON, *EXTENSION_FIELDS)),
 }
 
@@ -489,7 +637,7 @@ IGNORED_FIELDS: dict[str, tuple[frozenset[str], Callable[[Any], bool], str]] = {
                  lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
                  "an object of string values"),
     "service_tier": (frozenset((_CHAT,)), _is_str, "a string"),
-    # tools are refused (UNSUPPORTED_FIELDS), so there are never tool calls to parallelize
+    # one tool call per reply when the output is constrained to a call (docs/api.md)
     "parallel_tool_calls": (frozenset((_CHAT,)), _is_bool, "true or false"),
     "safety_identifier": (frozenset((_CHAT,)), _is_str, "a string"),
     "prompt_cache_key": (frozenset((_CHAT,)), _is_str, "a string"),
@@ -508,11 +656,8 @@ _SHARED_UNSUPPORTED: dict[str, _Unsupported] = {
 UNSUPPORTED_FIELDS: dict[str, dict[str, _Unsupported]] = {
     _CHAT: {
         **_SHARED_UNSUPPORTED,
-        "tools": (lambda v: v == [], "[]", True),
-        "tool_choice": (lambda v: v in ("none", "auto"), '"none"', True),
         "functions": (lambda v: v == [], "[]", True),
         "function_call": (lambda v: v in ("none", "auto"), '"none"', True),
-        "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', True),
         "logprobs": (lambda v: v is False, "false", True),
         "top_logprobs": (_is_zero, "0", True),
         "modalities": (lambda v: v == ["text"], '["text"]', False),
@@ -645,6 +790,7 @@ def parse_generation(
                    "GET /v1/models lists the names")
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    tools, tool_choice = _tools(d) if chat else (None, None)
     if chat:
         messages = _messages(d)
     else:
@@ -669,6 +815,15 @@ def parse_generation(
                              or seed >= 2**63):
         raise _bad("seed", f"expected a non-negative integer, got {_show(seed)}",
                    "use an integer 0..2**63-1")
+    if tools is not None and tool_choice != "none":
+        if stream:
+            raise _bad("stream", "streaming a reply that may call tools is not supported yet",
+                       'send "stream": false with tools (or tool_choice "none")',
+                       code="unsupported_parameter")
+        if d.get("session") is not None:
+            raise _bad("session", "a session cannot offer tools (its history keeps text "
+                       "turns only)", "send the whole conversation in messages without "
+                       '"session" when using tools')
     return GenerationRequest(
         chat=chat,
         model=model,
@@ -684,6 +839,9 @@ def parse_generation(
         priority=_int(d, "priority", None, MIN_PRIORITY, MAX_PRIORITY),
         timeout_ms=_int(d, "timeout_ms", None, 1, 7 * 24 * 3600 * 1000),
         session=_session(d),
+        response_format=_response_format(d),
+        tools=tools,
+        tool_choice=tool_choice,
     )
 
 
@@ -765,11 +923,15 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
 
 def completion_response(
     *, rid: str, model: str, created: int, chat: bool, text: str, finish_reason: str | None,
-    prompt_tokens: int, completion_tokens: int,
+    prompt_tokens: int, completion_tokens: int, tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The OpenAI-shaped (non-streaming) reply."""
+    """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
+    tools: content null, finish_reason "tool_calls"."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-    if chat:
+    if chat and tool_calls:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        choice["finish_reason"] = "tool_calls"
+    elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.runtime.constrain import Constraints
 from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
 from edge_agent.runtime.model import Llama, ModelConfig
 from edge_agent.runtime.prefill_groups import NewSeq, prefill_groups
@@ -106,6 +107,7 @@ class Engine:
         eos = None if tokenizer is None else tokenizer.eos_id
         eog = getattr(tokenizer, "eog_ids", None) or ({eos} if eos is not None else set())
         self.stop_ids: frozenset[int] = frozenset(int(i) for i in eog)
+        self.constraints = Constraints(tokenizer, self.config.vocab_size)  # grammars by sequence
 
     # -- construction ---------------------------------------------------------------------
 
@@ -301,9 +303,11 @@ class Engine:
             for table in tables:
                 self.pool.release(table)
             raise
+        self.constraints.mask([seq.seq_id for seq, _ in part], rows)
         for (seq, _), table, logits in zip(part, tables, rows, strict=True):
             done = len(seq.generated)
             token = sample(logits, seq.params, done)
+            self.constraints.advance([seq.seq_id], [token])
             self._seqs[seq.seq_id] = _Seq(table=table, params=seq.params, last=token,
                                           generated=done + 1)
             tokens[seq.seq_id] = token
@@ -336,7 +340,9 @@ class Engine:
         with self._limits():
             logits = self.model.decode([q.last for q in seqs], [q.table for q in seqs],
                                        self.pool)  # (B, V)
+        self.constraints.mask(seq_ids, logits)
         tokens = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
+        self.constraints.advance(seq_ids, tokens)
         out: dict[str, int] = {}
         for seq_id, q, token in zip(seq_ids, seqs, tokens, strict=True):
             q.last = token
@@ -346,6 +352,7 @@ class Engine:
 
     def release(self, seq_id: str) -> None:
         """Forget `seq_id` and return its KV blocks (unknown ids are ignored)."""
+        self.constraints.release(seq_id)
         q = self._seqs.pop(seq_id, None)
         if q is not None:
             self.pool.release(q.table)

@@ -71,6 +71,7 @@ class EngineLike(Protocol):
     max_batch: int
     stop_ids: frozenset[int]
     tokenizer: Any
+    constraints: Any  # runtime/constrain.py Constraints: grammars of constrained sequences
 
     @property
     def free_blocks(self) -> int: ...

@@ -40,6 +40,7 @@ import numpy as np
 
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.runtime import memlock
+from edge_agent.runtime.constrain import Constraints
 from edge_agent.runtime.llama_vocab import (
     LlamaVocab,
     check_gguf,
@@ -179,6 +180,7 @@ class LlamaCppEngine:
         self._seqs: dict[str, _Seq] = {}
         self._free_slots = list(range(max_batch))
         self._ids = itertools.count()
+        self.constraints = Constraints(self.tokenizer, self.n_vocab)  # grammars by sequence
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
         self.mlock_policy = mlock
         self.lock: dict[str, Any] | None = None
@@ -374,9 +376,11 @@ class LlamaCppEngine:
                 errors[seq.seq_id] = exc
             return tokens, errors
         order = list(range(len(ready)))
-        sampled = sample_rows(np.stack([last_row[k] for k in order]),
-                              [ready[k][0].params for k in order],
+        rows = np.stack([last_row[k] for k in order])  # (B, V)
+        self.constraints.mask([ready[k][0].seq_id for k in order], rows)
+        sampled = sample_rows(rows, [ready[k][0].params for k in order],
                               [len(ready[k][0].generated) for k in order])
+        self.constraints.advance([ready[k][0].seq_id for k in order], sampled)
         for k, token in zip(order, sampled, strict=True):
             seq, ids, slot = ready[k]
             self._free_slots.remove(slot)
@@ -400,7 +404,9 @@ class LlamaCppEngine:
                 "tokens. Hint: release it (finish the request) or load a larger context.")
         self._decode([(q.last, q.length, q.slot, True) for q in seqs])
         logits = self._logits(len(seqs))  # (B, V)
+        self.constraints.mask(seq_ids, logits)
         sampled = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
+        self.constraints.advance(seq_ids, sampled)
         out: dict[str, int] = {}
         for sid, q, token in zip(seq_ids, seqs, sampled, strict=True):
             q.length += 1
@@ -411,6 +417,7 @@ class LlamaCppEngine:
 
     def release(self, seq_id: str) -> None:
         """Forget `seq_id` and clear its KV cells (unknown ids are ignored)."""
+        self.constraints.release(seq_id)
         q = self._seqs.pop(seq_id, None)
         if q is not None:
             self._lib.llama_memory_seq_rm(self._mem, q.slot, -1, -1)

@@ -1,0 +1,193 @@
+"""Structured output: `response_format` and `tools` as a grammar, a prompt and parsed tool calls.
+
+Invariants owned here:
+- A request gets a grammar (runtime/constrain.py, sent to the runner with its sampling
+  parameters and journaled with them) only for `response_format` json_object / json_schema or
+  `tool_choice` "required" / a named function; every other request is decoded unconstrained.
+- A grammar is checked before the request is accepted: a schema the library cannot compile is
+  a 400 naming `response_format` (or the tool) and the library's reason.
+- Tools reach the model through its chat template when the template renders them (the output
+  form is then `<tool_call>{json}</tool_call>` if the template speaks of it, else a bare JSON
+  object); a template that ignores them (SmolLM2's, Gemma 3's, the numpy engine's ChatML) gets
+  TOOLS_PROMPT as a system message, assistant tool calls as their JSON text and tool results
+  as user messages (docs/api.md).
+- `parse_tool_calls` recognizes `<tool_call>{json}</tool_call>` blocks, or a reply that is one
+  JSON object {"name": NAME, "arguments": {...}} (a ```json fence around it allowed), NAME one
+  of the request's functions; anything else is text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.runtime.constrain import check_grammar, json_grammar, tool_call_grammar
+
+__all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "parse_tool_calls", "tool_calls"]
+
+TOOLS_PROMPT = (
+    "You can call functions. These are the functions, with the JSON Schema of their "
+    "arguments:\n{listing}\nTo call a function, reply with only a JSON object: "
+    '{{"name": "<function name>", "arguments": {{<its arguments>}}}}. {rule}'
+)
+_RULE = {"auto": "Otherwise answer in plain text.", "required": "You must call a function.",
+         "named": "You must call {name}."}
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked(grammar: str) -> str | None:
+    return check_grammar(grammar)
+
+
+def _offered(req: GenerationRequest) -> list[dict[str, Any]]:
+    """The functions offered to the model (none with tool_choice "none")."""
+    if not req.tools or req.tool_choice == "none":
+        return []
+    return [t["function"] for t in req.tools]
+
+
+def _native(tok: Any) -> tuple[bool, bool]:
+    """(the chat template renders tools, its calls are <tool_call> blocks)."""
+    template = getattr(tok, "chat_template", None)
+    render = getattr(template, "render", None)
+    if render is None or not hasattr(template, "tool_use_template"):
+        return False, False  # the numpy engine's ChatML: no tools
+    probe = [{"role": "user", "content": "x"}]
+    tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
+    try:
+        native = render(probe, tools=tool) != render(probe)
+    except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+        return False, False
+    source = (template.tool_use_template or "") + template.template
+    return native, native and "<tool_call>" in source
+
+
+def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
+    """The grammar the output must follow (None: unconstrained); 400 when it cannot be used."""
+    choice = req.tool_choice
+    functions = _offered(req)
+    if functions and choice != "auto":
+        if req.response_format is not None:
+            raise ApiError(400, "invalid_request", "field 'response_format': cannot be "
+                           f"combined with tool_choice {json.dumps(choice)} (the reply is a "
+                           "tool call). Hint: drop response_format, or use tool_choice "
+                           '"auto".', param="response_format")
+        if isinstance(choice, dict):
+            functions = [f for f in functions if f["name"] == choice["function"]["name"]]
+        grammar = tool_call_grammar(functions, tags=_native(tok)[1])
+        field, what = "tools", "a function's parameters"
+    elif req.response_format is not None:
+        fmt = req.response_format
+        schema = fmt["json_schema"]["schema"] if fmt["type"] == "json_schema" else None
+        grammar = json_grammar(schema)
+        field, what = "response_format", "the JSON schema"
+    else:
+        return None
+    err = _checked(grammar)
+    if err is not None:
+        raise ApiError(400, "invalid_request", f"field {field!r}: {what} cannot be used for "
+                       f"constrained decoding: {err}. Hint: fix the schema; docs/api.md lists "
+                       "the JSON Schema keywords supported.", param=field)
+    return grammar
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        args = fn["arguments"]
+    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+
+
+def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
+    """The prompt ids of a chat request, tools and tool messages included."""
+    assert req.messages is not None
+    functions = _offered(req)
+    native, tags = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
+    if native:
+        msgs = []
+        for m in req.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                d["tool_calls"] = [dict(c) for c in m.tool_calls]
+                d["content"] = m.content or None
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            msgs.append(d)
+        tools = [{"type": "function", "function": f} for f in functions] or None
+        return list(tok.apply_chat_template(msgs, tools=tools))
+    names = {c["id"]: c["function"]["name"] for m in req.messages for c in m.tool_calls or ()}
+    msgs = []
+    for m in req.messages:
+        if m.role == "tool":
+            who = names.get(m.tool_call_id or "", "the function")
+            msgs.append({"role": "user", "content": f"Result of {who} (call {m.tool_call_id}):"
+                                                    f" {m.content}"})
+        elif m.tool_calls:
+            text = "\n".join(_call_text(c) for c in m.tool_calls)
+            msgs.append({"role": m.role, "content": f"{m.content}\n{text}" if m.content
+                         else text})
+        else:
+            msgs.append({"role": m.role, "content": m.content})
+    if functions:
+        choice = req.tool_choice
+        rule = (_RULE["named"].format(name=choice["function"]["name"])
+                if isinstance(choice, dict) else _RULE[str(choice)])
+        listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+        text = TOOLS_PROMPT.format(listing=listing, rule=rule)
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {"role": "system", "content": f"{msgs[0]['content']}\n\n{text}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": text})
+    return list(tok.apply_chat_template(msgs))
+
+
+def _has_tool_turns(req: GenerationRequest) -> bool:
+    return any(m.role == "tool" or m.tool_calls for m in req.messages or ())
+
+
+def parse_tool_calls(text: str, names: Sequence[str]) -> list[tuple[str, dict[str, Any]]] | None:
+    """[(name, arguments)] when `text` is a tool call of one of `names`, else None."""
+    blocks = _BLOCK.findall(text)
+    if not blocks:
+        body = text.strip()
+        m = _FENCE.match(body)
+        blocks = [m.group(1) if m else body]
+    calls = []
+    for block in blocks:
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return None
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append((obj["name"], args))
+    return calls or None
+
+
+def tool_calls(req: GenerationRequest, text: str, rid: str) -> list[dict[str, Any]] | None:
+    """The reply's `tool_calls` (OpenAI's shape) when `text` is a call, else None."""
+    functions = _offered(req)
+    if not functions:
+        return None
+    calls = parse_tool_calls(text, [f["name"] for f in functions])
+    if calls is None:
+        return None
+    return [{"id": f"call_{rid.removeprefix('req-')}_{i}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            for i, (name, args) in enumerate(calls)]

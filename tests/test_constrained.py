@@ -1,0 +1,279 @@
+"""Constrained decoding (runtime/constrain.py) and what the API builds on it: `response_format`
+json_object / json_schema and `tools` with `tool_choice`.
+
+Unit tests drive the llama.cpp engine in process with the real SmolLM2 GGUF: the mask removes
+exactly what the grammar forbids, a resumed sequence (prompt + generated prefilled) continues
+with the same tokens, a step with no grammar is left alone. Daemon tests go through the official
+`openai` SDK (recipe of tests/test_daemon_openai.py): every output `json.loads` and validates
+against its schema with `jsonschema`, twice the same at temperature 0; a tool call round trip;
+a bad schema is a 400 naming `response_format`. One daemon runs the numpy engine for one case.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+from daemon_proc import Daemon, launch, serve_argv
+
+from edge_agent.daemon.structured import parse_tool_calls
+from edge_agent.protocol.api import ApiError, parse_generation
+from edge_agent.runtime.constrain import Constraints, check_grammar, json_grammar
+from edge_agent.runtime.sampling import SamplingParams
+
+pytestmark = [pytest.mark.timeout(600)]
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+# -- the matcher hook (engine in process) ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[Any]:
+    from edge_agent.runtime.llamacpp import LlamaCppEngine
+
+    eng = LlamaCppEngine.load(model_path, max_batch=3, context=512, threads=1, mlock="off")
+    yield eng
+    eng.close()
+
+
+def _prompt(engine: Any, text: str) -> list[int]:
+    return list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def _run(engine: Any, sid: str, prompt: list[int], params: SamplingParams,
+         grammar: str | None, generated: list[int] | None = None, n: int = 60) -> list[int]:
+    if grammar is not None:
+        engine.constraints.start(sid, grammar, generated or ())
+    out = [engine.add(sid, prompt, params, generated=generated or ())]
+    try:
+        while out[-1] not in engine.stop_ids and len(out) < n:
+            out.append(engine.step([sid])[sid])
+    finally:
+        engine.release(sid)
+    return out
+
+
+def test_mask_leaves_exactly_what_the_grammar_allows(engine: Any) -> None:
+    tok = engine.tokenizer
+    c = Constraints(tok, engine.n_vocab)
+    c.start("s", json_grammar({"enum": ["yes", "no"]}))
+    rows = np.zeros((2, engine.n_vocab), np.float32)
+    c.mask(["other", "s"], rows)
+    assert (rows[0] == 0).all()  # a sequence without a grammar: untouched
+    allowed = np.flatnonzero(np.isfinite(rows[1]))
+    # the oracle: a token may come first iff its bytes are a prefix of '"yes"' or '"no"'
+    expect = [t for t in range(tok.vocab_size) if t not in tok.special_ids
+              and tok.token_bytes(t) and any(w.startswith(tok.token_bytes(t))
+                                             for w in (b'"yes"', b'"no"'))]
+    assert sorted(allowed.tolist()) == expect
+    c.advance(["s"], tok.encode('"yes"', add_bos=False)[:1])
+    for t in tok.encode('"yes"', add_bos=False)[1:]:
+        c.advance(["s"], [t])
+    rows[1] = 0
+    c.mask(["s"], rows[1:])  # complete: only end-of-generation tokens remain
+    assert sorted(np.flatnonzero(np.isfinite(rows[1])).tolist()) == sorted(tok.eog_ids)
+
+
+def test_no_grammar_costs_nothing_and_changes_nothing(engine: Any) -> None:
+    prompt = _prompt(engine, "Say hello.")
+    fresh = Constraints(engine.tokenizer, engine.n_vocab)
+    rows = np.random.default_rng(0).standard_normal((2, engine.n_vocab)).astype(np.float32)
+    before = rows.copy()
+    fresh.mask(["a", "b"], rows)
+    fresh.advance(["a", "b"], [1, 2])
+    assert np.array_equal(rows, before) and fresh._lltok is None  # nothing built
+    plain = _run(engine, "p", prompt, SamplingParams(max_tokens=20), None, n=20)
+    assert engine.constraints.active == []
+    again = _run(engine, "p", prompt, SamplingParams(max_tokens=20), None, n=20)
+    assert plain == again
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, seed=7)])
+def test_resume_replays_the_generated_tokens(engine: Any, params: SamplingParams) -> None:
+    grammar = json_grammar(PERSON)
+    prompt = _prompt(engine, "Describe a person as JSON.")
+    whole = _run(engine, "w", prompt, params, grammar)
+    assert whole[-1] in engine.stop_ids
+    text = engine.tokenizer.decode(whole[:-1])
+    jsonschema.validate(json.loads(text), PERSON)
+    assert _run(engine, "w2", prompt, params, grammar) == whole  # deterministic
+    for k in (1, len(whole) // 2, len(whole) - 1):
+        rest = _run(engine, f"r{k}", prompt, params, grammar, generated=whole[:k])
+        assert whole[:k] + rest == whole, k
+
+
+def test_a_grammar_that_cannot_compile_says_why() -> None:
+    assert check_grammar(json_grammar(PERSON)) is None
+    err = check_grammar(json_grammar({"type": "frob"}))
+    assert err is not None and "frob" in err
+
+
+def test_api_validates_response_format_and_tools() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+
+    def bad(body: dict[str, Any]) -> ApiError:
+        with pytest.raises(ApiError) as info:
+            parse_generation({"messages": msgs, **body}, chat=True, max_tokens_limit=100)
+        assert "Hint:" in info.value.message
+        return info.value
+
+    assert bad({"response_format": {"type": "xml"}}).param == "response_format"
+    assert bad({"response_format": {"type": "json_schema"}}).param == \
+        "response_format.json_schema"
+    assert bad({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a b", "schema": {}}}}).param == "response_format.json_schema.name"
+    assert bad({"tool_choice": "required"}).param == "tool_choice"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert bad({"tools": tools, "tool_choice": {"type": "function",
+                                                "function": {"name": "g"}}}).param == "tool_choice"
+    assert bad({"tools": tools, "stream": True}).param == "stream"
+    assert bad({"messages": [{"role": "tool", "content": "1"}]}).param == \
+        "messages[0].tool_call_id"
+    r = parse_generation({"messages": msgs, "tools": tools}, chat=True, max_tokens_limit=9)
+    assert r.tool_choice == "auto" and r.tools is not None
+    assert parse_generation({"prompt": "x", "response_format": {"type": "json_object"}},
+                            chat=False, max_tokens_limit=9).response_format == {
+                                "type": "json_object"}
+
+
+def test_tool_calls_recognized_in_both_forms() -> None:
+    names = ["get_weather"]
+    assert parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                            names) == [("get_weather", {"city": "Oslo"})]
+    assert parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {}}\n'
+                            '</tool_call>', names) == [("get_weather", {})]
+    assert parse_tool_calls('```json\n{"name": "get_weather", "arguments": "{}"}\n```',
+                            names) == [("get_weather", {})]
+    assert parse_tool_calls('{"name": "other", "arguments": {}}', names) is None
+    assert parse_tool_calls("It is sunny.", names) is None
+
+
+# -- the daemon through the openai SDK -------------------------------------------------------------
+
+def _client(d: Daemon) -> openai.OpenAI:
+    try:
+        import httpx2 as httpx_mod
+    except ImportError:
+        import httpx as httpx_mod
+    transport = httpx_mod.HTTPTransport(uds=str(d.sock))
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
+                         timeout=300, http_client=openai.DefaultHttpxClient(transport=transport))
+
+
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def client(request: pytest.FixtureRequest, prepared_state_dir: Path) -> Iterator[openai.OpenAI]:
+    root = Path(tempfile.mkdtemp(prefix="ea-cd-", dir="/tmp"))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
+        "drain_timeout_s = 5\n"
+        f'[runtime]\nengine = "{request.param}"\nmlock = "best-effort"\nthreads = 1\n'
+        "[models.smollm2]\ncontext = 1024\nmax_batch = 2\npreload = true\n")
+    with launch(Daemon, root, serve_argv(cfg)) as d:
+        c = _client(d)
+        c.engine = request.param  # type: ignore[attr-defined]
+        yield c
+        c.close()
+
+
+def _ask(client: openai.OpenAI, text: str, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}],  # type: ignore[arg-type]
+        temperature=0, max_tokens=200, **kw)
+
+
+SCHEMAS = {
+    "person": PERSON,
+    "nested": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "location": {"type": "object", "properties": {
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+            "required": ["lat", "lon"], "additionalProperties": False}},
+        "required": ["city", "location"], "additionalProperties": False},
+    "enum_array": {"type": "object", "properties": {
+        "mood": {"enum": ["happy", "sad", "angry"]},
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                   "minItems": 1, "maxItems": 3}},
+        "required": ["mood", "colors"], "additionalProperties": False},
+}
+
+
+def test_json_object_is_a_json_object(client: openai.OpenAI) -> None:
+    r = _ask(client, "Give me a JSON object with a cat's name and age.",
+             response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_validate_and_repeat(client: openai.OpenAI, name: str) -> None:
+    if client.engine == "numpy" and name != "person":  # type: ignore[attr-defined]
+        pytest.skip("one case on the numpy engine (it is the slow one)")
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name],
+                                                  "strict": True}}
+    replies = [_ask(client, f"Describe a {name.replace('_', ' ')} as JSON.",
+                    response_format=fmt) for _ in range(2)]
+    for r in replies:
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_completions_take_response_format(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="smollm2", prompt="A person as JSON:", max_tokens=80,
+                                  temperature=0, extra_body={"response_format": {
+                                      "type": "json_schema", "json_schema": {
+                                          "name": "p", "schema": PERSON}}})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def test_a_schema_that_cannot_be_compiled_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, "x", response_format={"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "object", "properties": {
+                "a": {"$ref": "#/definitions/missing"}}}}})
+    assert info.value.param == "response_format"
+    assert "missing" in info.value.message and "Hint:" in info.value.message
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
+    if client.engine == "numpy" and choice != "required":  # type: ignore[attr-defined]
+        pytest.skip("one case on the numpy engine")
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER],
+                                       tool_choice=choice, temperature=0, max_tokens=120)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert msg.content is None and msg.tool_calls and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments),
+                        WEATHER["function"]["parameters"])
+    messages += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    final = client.chat.completions.create(model="smollm2", messages=messages,
+                                           tools=[WEATHER], tool_choice="none", temperature=0,
+                                           max_tokens=40)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
