@@ -227,11 +227,11 @@ def test_bad_inputs_are_response_errors_with_their_status(client: Any, base: str
         client.chat(model="smollm2", messages=HELLO, options={"mirostat": 2})
     status, text = _error(info)
     assert status == 400 and "'options.mirostat'" in text and "not supported" in text
-    for kwargs in ({"format": "json"}, {"format": {"type": "object"}}):
-        with pytest.raises(ollama.ResponseError) as info:
-            client.chat(model="smollm2", messages=HELLO, **kwargs)
-        status, text = _error(info)
-        assert status == 400 and "'format'" in text
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="smollm2", messages=HELLO,
+                    format={"type": "object", "minProperties": "x"})
+    status, text = _error(info)
+    assert status == 400 and "'format'" in text
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model="smollm2", prompt="Hi", template="{{ .Prompt }}")
     status, text = _error(info)
@@ -248,6 +248,9 @@ def test_bad_inputs_are_response_errors_with_their_status(client: Any, base: str
         r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
                                           "images": ["aGk="]})
         assert r.status_code == 400 and "'images'" in r.json()["error"]
+        r = h.post("/api/chat", json={"model": "smollm2", "messages": HELLO, "format": "yaml"})
+        assert r.status_code == 400 and "'format'" in r.json()["error"]
+        assert "JSON Schema" in r.json()["error"]
         r = h.post("/api/chat", content=b"{not json")
         assert r.status_code == 400 and set(r.json()) == {"error"}
         r = h.get("/api/chat")  # Ollama's error shape for every /api/ path
@@ -259,3 +262,22 @@ def test_bad_inputs_are_response_errors_with_their_status(client: Any, base: str
         assert r.status_code == 400 and "'keep_alive'" in r.json()["error"]
         r = h.post("/api/show", json={"model": "nope"})
         assert r.status_code == 404 and json.loads(r.text)["error"]
+
+
+def test_format_constrains_the_reply_to_json_and_to_a_schema(client: Any) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0,
+                                                       "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    replies = [client.chat(model="smollm2", messages=ask, format=schema,
+                           options={"temperature": 0, "num_predict": 64}) for _ in range(2)]
+    assert replies[0].message.content == replies[1].message.content  # deterministic at 0
+    jsonschema.validate(json.loads(replies[0].message.content), schema)
+    short = {"type": "object", "properties": {"sea": {"type": "string", "maxLength": 24}},
+             "required": ["sea"], "additionalProperties": False}
+    out = client.generate(model="smollm2", prompt="Reply with a JSON object about the sea.",
+                          format=short, options={"temperature": 0, "num_predict": 48})
+    jsonschema.validate(json.loads(out.response), short)

@@ -73,7 +73,7 @@ def test_bad_options_name_the_option(options: dict[str, Any], param: str, words:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"format": "json"}, "format"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"format": "yaml"}, "format"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"think": True}, "think"), ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].images"),
     ({"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
@@ -112,3 +112,11 @@ def test_generate_prompt_system_raw() -> None:
 
 def test_rfc3339_is_utc() -> None:
     assert rfc3339(0.5) == "1970-01-01T00:00:00.500000Z"
+
+
+def test_format_becomes_the_response_format() -> None:
+    assert chat(format="json").generation.response_format == {"type": "json_object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = chat(format=schema).generation.response_format
+    assert rf["type"] == "json_schema" and rf["json_schema"]["schema"] == schema
+    assert chat(format="").generation.response_format is None

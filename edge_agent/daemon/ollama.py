@@ -46,6 +46,7 @@ from edge_agent.protocol.ollama import (
     parse_chat,
     parse_generate,
     parse_show,
+    renamed,
     rfc3339,
     show_body,
 )
@@ -220,7 +221,10 @@ class OllamaRoutes:
         if oreq.generation is None:
             return await self._load_or_unload(svc, oreq)
         t0 = time.monotonic()
-        rec = self.d.submit(dataclasses.replace(oreq.generation, model=svc.name))
+        try:  # the schema in `format` is compiled at submission
+            rec = self.d.submit(dataclasses.replace(oreq.generation, model=svc.name))
+        except ApiError as exc:
+            raise renamed(exc) from None
         self._keep_alive(svc, oreq.keep_alive)  # queued already: it applies once idle again
         if oreq.stream:
             return StreamResponse(self._stream(rec, oreq, svc, t0), content_type=NDJSON)

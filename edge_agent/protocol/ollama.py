@@ -8,8 +8,9 @@ Invariants owned here:
   where an option is absent (OLLAMA_DEFAULTS). Options api.py does not know are handled here:
   IGNORED_OPTIONS (accepted, type checked, no effect), UNSUPPORTED_OPTIONS (400 unless
   neutral), anything else 400 naming it.
+- `format` ("json" or a JSON Schema) becomes the OpenAI request's `response_format`.
 - Every top-level field is known or refused (400 naming it); fields of features this server
-  does not have (`format`, `tools`, `images`, `template`, `context`, `suffix`, `think`,
+  does not have (`tools`, `images`, `template`, `context`, `suffix`, `think`,
   `logprobs`, image generation) are accepted only with their neutral value.
 - `messages` take Ollama's roles (system, user, assistant, tool); they reach the model's chat
   template as the OpenAI chat route's do. An empty `messages` (or an empty `prompt`) asks for
@@ -41,6 +42,7 @@ from edge_agent.protocol.api import (
 )
 
 __all__ = [
+    "renamed",
     "API_VERSION",
     "FOREVER_EPOCH",
     "IGNORED_OPTIONS",
@@ -125,8 +127,6 @@ _OPTIONS = sorted({"seed", "num_predict", *_MAPPED, *_PASS_THROUGH, *IGNORED_OPT
 _CHAT, _GEN = "/api/chat", "/api/generate"
 _BOTH = (_CHAT, _GEN)
 _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = {
-    "format": (_BOTH, lambda v: v == "", '""', "structured output (format) is not supported "
-               "yet"),
     "think": (_BOTH, lambda v: v is False, "false", "the models served here have no thinking "
               "mode"),
     "logprobs": (_BOTH, lambda v: v is False, "false", "log probabilities are not supported"),
@@ -145,8 +145,9 @@ _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, st
     "height": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
     "steps": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
 }
-_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive"),
-            _GEN: ("model", "prompt", "system", "raw", "stream", "options", "keep_alive")}
+_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive", "format"),
+            _GEN: ("model", "prompt", "system", "raw", "stream", "options", "keep_alive",
+                   "format")}
 _MESSAGE_KEYS = ("role", "content", "images", "tool_calls", "tool_name", "thinking")
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
@@ -330,6 +331,16 @@ def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
                 ) -> GenerationRequest:
     fields, names = _options(d, limit)
     body: dict[str, Any] = {"model": model, "stream": stream, **fields}
+    fmt = d.get("format")
+    if fmt == "json":
+        body["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise _bad("format", f'expected "json" or a JSON Schema object, got {_show(fmt)}',
+                   'use "format": "json" or "format": {"type": "object", ...}')
+    names["response_format"] = "format"
     if messages is not None:  # checked here (Ollama's roles); a stand-in for api.py's check
         body["messages"] = [{"role": "user", "content": ""}]
     else:
@@ -338,11 +349,12 @@ def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
         greq = parse_generation(body, chat=messages is not None, max_tokens_limit=limit,
                                 default_max_tokens=UNTIL_CONTEXT)
     except ApiError as exc:
-        raise _renamed(exc, names) from None
+        raise renamed(exc, names) from None
     return greq if messages is None else dataclasses.replace(greq, messages=messages)
 
 
-def _renamed(exc: ApiError, names: Mapping[str, str]) -> ApiError:
+def renamed(exc: ApiError, names: Mapping[str, str] = {"response_format": "format"}  # noqa: B006 - read only
+             ) -> ApiError:
     """An error about an OpenAI field, naming the Ollama option it came from."""
     new = names.get(exc.param or "")
     if new is None:
