@@ -12,6 +12,13 @@ Invariants owned here:
   prompt + `tokens` and its first token is generation index len(tokens) (sampling is keyed by
   (seed, generation index)), so nothing is regenerated; a token routed for an index below
   `len(tokens)` would be skipped, never re-emitted.
+- Log-probabilities (when the request asks): `logprobs[i]` belongs to token i (None: not known,
+  the token was restored from the journal after a daemon restart). Token i's entry is released
+  once some of its text is (its text starts before the end of `text`), or when the request
+  ends without a stop string; a stop string's cut drops the entries of the tokens whose text
+  starts at or after the cut. `piece_logprobs[k]` is how many entries were released when
+  piece k was appended, so a stream sends with each piece the entries released with it, and
+  the entries of a stream are those of the non-streamed reply.
 - `finish()` happens once; afterwards the record never changes and `done` is set. Waiters are
   woken through one `asyncio.Condition`-like version counter (no lost wake-ups).
 """
@@ -42,6 +49,12 @@ class RequestRecord:
         self.max_new = max(1, min(request.max_tokens, context - prompt_tokens))
         self.tokens: list[int] = []
         self.pieces: list[str] = []
+        self.wants_logprobs = request.logprobs is not None
+        # per token: (logprob, [(id, logprob), ...]) or None; where its text starts
+        self.logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+        self.starts: list[int] = []
+        self.logprobs_released = 0  # entries released (see the invariants)
+        self.piece_logprobs: list[int] = []  # logprobs_released when piece k was appended
         self.pending = ""  # decoded text held back (could start a stop string)
         self.text = ""  # released text
         self.hold = max((len(s) for s in request.stop), default=1) - 1
@@ -66,8 +79,9 @@ class RequestRecord:
         (the runner prefills prompt + tokens)."""
         self.replay = self.attempt_start = len(self.tokens)
 
-    def push(self, token: int) -> bool:
-        """Route one generated token; True when the request is complete."""
+    def push(self, token: int, logprobs: Any = None) -> bool:
+        """Route one generated token (with the runner's `[logprob, [[id, logprob], ...]]` when
+        the request asked for them); True when the request is complete."""
         if self.done.is_set():
             return True
         index = self.replay
@@ -83,6 +97,10 @@ class RequestRecord:
             return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if self.wants_logprobs:
+            self.starts.append(len(self.text) + len(self.pending))
+            self.logprobs.append(None if logprobs is None else (
+                float(logprobs[0]), [(int(i), float(v)) for i, v in logprobs[1]]))
         self.tokens.append(token)
         self.pending += self.decoder.push(token)
         if self._check_stop():
@@ -102,25 +120,45 @@ class RequestRecord:
         if not found:
             return False
         self.pending = self.pending[: min(found)]
-        self._release(final=True)
+        self._release(final=True, cut=True)
         self.finish("stop")
         return True
 
-    def _release(self, *, final: bool) -> None:
+    def _release(self, *, final: bool, cut: bool = False) -> None:
         keep = 0 if final else min(self.hold, len(self.pending))
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep:]
         self.text += out
+        if self.wants_logprobs:
+            n = self.logprobs_released
+            if final and not cut:
+                n = len(self.tokens)
+            while n < len(self.tokens) and self.starts[n] < len(self.text):
+                n += 1
+            self.logprobs_released = n
         if len(self.pieces) < len(self.tokens):  # the piece of the newest token
             while len(self.pieces) < len(self.tokens) - 1:
-                self.pieces.append("")
-            self.pieces.append(out)
+                self._piece("")
+            self._piece(out)
         elif out:
             # Text released with no new token (held back until an end-of-sequence token or a
             # stop check): a piece of its own. The newest token's piece may already have been
             # streamed, so appending to it would lose this text on every live stream.
-            self.pieces.append(out)
+            self._piece(out)
         self._notify()
+
+    def _piece(self, text: str) -> None:
+        self.pieces.append(text)
+        self.piece_logprobs.append(self.logprobs_released)
+
+    def logprob_entries(self, start: int, end: int) -> list[tuple[Any, ...]]:
+        """Entries [start, end) as protocol.api's TokenLogprob tuples."""
+        out = []
+        for i in range(start, end):
+            lp = self.logprobs[i]
+            out.append((self.tokens[i], None if lp is None else lp[0],
+                        () if lp is None else lp[1], self.starts[i]))
+        return out
 
     def finish(self, reason: str | None, error: tuple[int, str, str] | None = None,
                **extra: Any) -> None:
