@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -121,14 +122,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def penalized(self) -> bool:
         """Whether a penalty applies: the engine must keep this sequence's token history."""
         return self.repeat_last_n != 0 and (
             self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0)
 
-    @property
+    @cached_property
     def plain(self) -> bool:
         """No bias, penalty, min-p or logprobs: the sampler's original fast path."""
         return (not self.logit_bias and not self.penalized and self.min_p == 0.0
