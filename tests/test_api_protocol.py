@@ -200,19 +200,9 @@ def test_ignored_fields_are_accepted_and_type_checked() -> None:
 
 
 NOT_YET = [
-    (True, "logprobs", True),
-    (True, "top_logprobs", 3),
-    (True, "presence_penalty", 0.5),
-    (True, "frequency_penalty", -1),
-    (True, "logit_bias", {"50256": -100}),
-    (True, "min_p", 0.05),
-    (True, "repeat_penalty", 1.1),
     (True, "functions", [{"name": "f"}]),
     (False, "echo", True),
-    (False, "logprobs", 2),
-    (False, "logprobs", 0),
     (False, "suffix", "end"),
-    (False, "presence_penalty", 1),
 ]
 
 
@@ -225,14 +215,16 @@ def test_unimplemented_parameters_are_refused_not_ignored(chat: bool, key: str,
     assert f"'{key}'" in err.message and "not supported yet" in err.message
 
 
-def test_stream_options_include_usage_is_refused_until_supported() -> None:
-    err = bad({"messages": CHAT_MSGS, "stream": True, "stream_options": {"include_usage": True}},
-              chat=True)
-    assert err.code == "unsupported_parameter" and err.param == "stream_options.include_usage"
-    assert "not supported yet" in err.message
+def test_stream_options_include_usage() -> None:
+    req = parse({"messages": CHAT_MSGS, "stream": True,
+                 "stream_options": {"include_usage": True}}, chat=True)
+    assert req.include_usage and req.stream
     assert bad({"prompt": "x", "stream_options": 1}).param == "stream_options"
+    assert bad({"prompt": "x", "stream_options": {"include_usage": 1}}).param == (
+        "stream_options.include_usage")
     ok = {"include_usage": False, "include_obfuscation": True}
-    assert parse({"prompt": "x", "stream": True, "stream_options": ok}).stream
+    req = parse({"prompt": "x", "stream": True, "stream_options": ok})
+    assert req.stream and not req.include_usage
 
 
 @pytest.mark.parametrize("chat, key, value", [
@@ -526,3 +518,46 @@ def test_stream_that_ends_as_the_client_hangs_up_leaves_no_stray_error() -> None
 
     asyncio.run(main())
     assert not errors, [e.get("message") for e in errors]
+
+
+def test_logprobs_render_in_openai_shapes_and_unknown_ones_as_null() -> None:
+    from edge_agent.protocol.api import chat_logprobs, completion_logprobs
+
+    pieces = {1: b"Hi", 2: b" \xe2\x80", 3: b"\x94!"}
+    entries = [(1, -0.5, [(1, -0.5), (3, -2.0)], 0), (2, None, [], 2), (3, -0.1, [], 3)]
+    chat = chat_logprobs(entries, pieces.__getitem__)
+    assert chat["content"][0] == {"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                                  "top_logprobs": [
+                                      {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                                      {"token": "\\x94!", "logprob": -2.0,
+                                       "bytes": [0x94, 33]}]}
+    assert chat["content"][1]["logprob"] is None  # restored from the journal: not known
+    comp = completion_logprobs(entries, pieces.__getitem__)
+    assert comp == {"tokens": ["Hi", " \\xe2\\x80", "\\x94!"], "token_logprobs": [-0.5, None, -0.1],
+                    "top_logprobs": [{"Hi": -0.5, "\\x94!": -2.0}, None, {}],
+                    "text_offset": [0, 2, 3]}
+
+
+def test_sampling_controls_parse_into_the_request() -> None:
+    req = parse({"prompt": "x", "presence_penalty": -1.5, "frequency_penalty": 2,
+                 "repeat_penalty": 1.1, "repeat_last_n": -1, "min_p": 0.05, "top_k": 40,
+                 "logit_bias": {"17": -100, "3": 2.5}, "logprobs": 5})
+    assert (req.presence_penalty, req.frequency_penalty, req.repeat_penalty,
+            req.repeat_last_n, req.min_p, req.top_k) == (-1.5, 2.0, 1.1, -1, 0.05, 40)
+    assert req.logit_bias == ((3, 2.5), (17, -100.0)) and req.logprobs == 5
+    d = req.sampling_dict(7)
+    assert d["logit_bias"] == [[3, 2.5], [17, -100.0]] and d["logprobs"] == 5
+    assert "min_p" not in parse({"prompt": "x"}).sampling_dict(7)  # neutral: not sent
+    chat = parse({"messages": CHAT_MSGS, "logprobs": True, "top_logprobs": 20}, chat=True)
+    assert chat.logprobs == 20
+    assert parse({"messages": CHAT_MSGS, "logprobs": True}, chat=True).logprobs == 0
+    assert parse({"messages": CHAT_MSGS, "logprobs": False}, chat=True).logprobs is None
+    for body, param in [({"logit_bias": []}, "logit_bias"), ({"logit_bias": {"-1": 1}},
+                        "logit_bias.-1"), ({"logit_bias": {"1": True}}, "logit_bias.1"),
+                        ({"presence_penalty": -2.01}, "presence_penalty"),
+                        ({"repeat_last_n": -2}, "repeat_last_n"), ({"logprobs": True},
+                        "logprobs"), ({"min_p": 2}, "min_p")]:
+        err = bad({"prompt": "x", **body})
+        assert err.param == param and "Hint:" in err.message, (body, err.message)
+    err = bad({"messages": CHAT_MSGS, "top_logprobs": 3}, chat=True)
+    assert err.param == "top_logprobs" and "logprobs" in err.message

@@ -88,8 +88,8 @@ def test_unknown_and_unsupported_fields_are_bad_requests_naming_them(
     assert isinstance(err.body, dict) and err.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
-                                       max_tokens=2, logit_bias={"50": -100})
-    assert info.value.code == "unsupported_parameter" and info.value.param == "logit_bias"
+                                       max_tokens=2, functions=[{"name": "f", "parameters": {}}])
+    assert info.value.code == "unsupported_parameter" and info.value.param == "functions"
     assert "not supported yet" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True)
@@ -165,3 +165,152 @@ def test_metrics_exact_integers_labels_build_info(daemon: Daemon) -> None:
     for family in ("edge_agent_ttft_seconds", "edge_agent_request_latency_seconds",
                    "edge_agent_batch_size", "edge_agent_step_seconds"):
         assert any(ln.startswith(f'{family}_count{{model="smollm2"}}') for ln in samples), family
+
+
+# ---- sampling controls, logprobs, stream_options.include_usage ---------------------------------
+
+PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+
+
+def _prompt_ids(text: str) -> list[int]:
+    """The ids the daemon prefills for a /v1/completions prompt (its tokenizer's encode)."""
+    from edge_agent.paths import default_model_path
+    from edge_agent.runtime.llama_vocab import LlamaVocab
+
+    return list(LlamaVocab.load(default_model_path()).encode(text))
+
+
+def _oracle_log_softmax(ids: list[int]) -> Any:
+    """(len(ids), V) log-softmax of llama.cpp's own logits over `ids` (logits_all)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from edge_agent.paths import default_model_path
+
+    llm = Llama(model_path=str(default_model_path()), n_ctx=CONTEXT, n_threads=1,
+                verbose=False, logits_all=True, flash_attn=True, swa_full=False)
+    try:
+        llm.eval(ids)
+        z = np.array(llm.scores[: len(ids)], dtype=np.float64)  # (L, V)
+    finally:
+        llm.close()
+    m = z.max(axis=1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(axis=1, keepdims=True))
+
+
+def test_completion_logprobs_equal_the_oracle_streamed_and_not(client: openai.OpenAI) -> None:
+    pytest.importorskip("llama_cpp")
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.usage is not None and lp is not None and lp.tokens and lp.token_logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs or []) == n
+    text = r.choices[0].text
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    assert all(text[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
+    prompt = _prompt_ids(PROMPT)
+    ids = _prompt_ids(PROMPT + text)
+    assert ids[: len(prompt)] == prompt
+    oracle = _oracle_log_softmax(ids[: len(prompt) + n])  # the generated ids re-encode the same
+    for i, (got, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs or [], strict=True)):
+        want = oracle[len(prompt) + i - 1]
+        assert got == pytest.approx(want[ids[len(prompt) + i]], abs=1e-3)
+        assert list(top.values()) == sorted(top.values(), reverse=True) and len(top) == 3
+        assert max(top.values()) == pytest.approx(got, abs=1e-9)  # greedy: the chosen is top
+    streamed = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8,
+                                              temperature=0, logprobs=3, stream=True))
+    got_tokens: list[str] = []
+    got_lps: list[float | None] = []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            got_tokens += chunk.choices[0].logprobs.tokens or []
+            got_lps += chunk.choices[0].logprobs.token_logprobs or []
+    assert got_tokens == lp.tokens and got_lps == lp.token_logprobs
+
+
+def test_chat_logprobs_stop_cut_and_include_usage(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    kw: dict[str, Any] = {"model": "smollm2", "messages": msgs, "temperature": 0,
+                          "max_tokens": 40, "logprobs": True, "top_logprobs": 2}
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and full.usage is not None
+    assert len(content) == full.usage.completion_tokens
+    text = full.choices[0].message.content or ""
+    assert b"".join(bytes(c.bytes or []) for c in content).decode() == text
+    for c in content:
+        assert [t.logprob for t in c.top_logprobs] == sorted(
+            (t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.top_logprobs[0].token == c.token  # greedy: the chosen token is the likeliest
+    # a stop string inside the text: the tokens after the cut lose their logprobs, streamed or not
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip() and stop in text
+    cut = client.chat.completions.create(**kw, stop=[stop])
+    cut_content = cut.choices[0].logprobs.content  # type: ignore[union-attr]
+    cut_text = cut.choices[0].message.content or ""
+    assert cut.choices[0].finish_reason == "stop" and cut_text == text[: text.index(stop)]
+    assert cut_content is not None and 0 < len(cut_content) < len(content)
+    assert [c.token for c in cut_content] == [c.token for c in content[: len(cut_content)]]
+    joined = b"".join(bytes(c.bytes or []) for c in cut_content).decode()
+    assert joined.startswith(cut_text) and len(joined) - len(cut_text) < len(stop) + 8
+    chunks = list(client.chat.completions.create(**kw, stop=[stop], stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content or []]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob)
+                                                       for c in cut_content]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == cut_text
+    # include_usage: every chunk has usage null but the last, which has no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == cut.usage.completion_tokens  # type: ignore
+    assert chunks[-1].usage.prompt_tokens == cut.usage.prompt_tokens  # type: ignore[union-attr]
+    assert all(ch.usage is None and ch.choices for ch in chunks[:-1])
+    comp = list(client.completions.create(model="smollm2", prompt="Hi", max_tokens=3,
+                                          stream=True, stream_options={"include_usage": True}))
+    assert comp[-1].choices == [] and comp[-1].usage is not None
+    assert comp[-1].usage.total_tokens == comp[-1].usage.prompt_tokens + 3
+
+
+def test_sampling_controls_through_the_api(client: openai.OpenAI, daemon: Daemon) -> None:
+    ids = _prompt_ids(" dog")
+    dog = ids[-1]
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0.9,
+                                  seed=3, logit_bias={str(dog): 100})
+    assert r.choices[0].text == " dog" * 5
+    plain = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12,
+                                      temperature=0)
+    greedy_first = _prompt_ids(PROMPT + plain.choices[0].text)[len(_prompt_ids(PROMPT))]
+    banned = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1,
+                                       temperature=0, logit_bias={str(greedy_first): -100},
+                                       logprobs=0)
+    assert banned.choices[0].logprobs is not None
+    assert banned.choices[0].logprobs.top_logprobs == [{}]
+    assert _prompt_ids(PROMPT + banned.choices[0].text)[len(_prompt_ids(PROMPT))] != greedy_first
+    penalized = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, presence_penalty=1.5,
+        frequency_penalty=0.5, extra_body={"repeat_penalty": 1.3, "repeat_last_n": -1,
+                                           "min_p": 0.05, "top_k": 40})
+    assert penalized.choices[0].text != plain.choices[0].text
+    again = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, presence_penalty=1.5,
+        frequency_penalty=0.5, extra_body={"repeat_penalty": 1.3, "repeat_last_n": -1,
+                                           "min_p": 0.05, "top_k": 40})
+    assert again.choices[0].text == penalized.choices[0].text
+    for body, param in [({"logit_bias": {"49152": 1}}, "logit_bias.49152"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+                        ({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"repeat_penalty": 0}, "repeat_penalty"),
+                        ({"min_p": -0.1}, "min_p"),
+                        ({"logprobs": 6}, "logprobs")]:
+        status, err = daemon.json("POST", "/v1/completions", {"prompt": "x", **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+        assert "Hint:" in err["error"]["message"]
+    for body, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"logprobs": 1}, "logprobs")]:
+        status, err = daemon.json("POST", "/v1/chat/completions", {"messages": STORY, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    status, err = daemon.json("POST", "/v1/requests", {"prompt": "x", "logprobs": 1})
+    assert status == 400 and err["error"]["param"] == "logprobs"

@@ -13,6 +13,7 @@ and character boundaries, or never match.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -132,3 +133,57 @@ def test_text_held_for_a_stop_reaches_a_live_stream_at_end_of_sequence(
     live, late, whole = _run(tokenizer, ids, stop, 64)
     assert whole == "The end of the story."
     assert live == whole and late == whole
+
+
+def _prefix_len(tok: Tokenizer, ids: list[int]) -> int:
+    """Characters of the longest whole-UTF-8 prefix of `ids`' bytes (what has been decoded)."""
+    data = b"".join(tok.token_bytes(t) for t in ids)
+    for trim in range(4):
+        try:
+            return len(data[: len(data) - trim].decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    raise AssertionError("no UTF-8 prefix")
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_logprobs_equal_whole_logprobs(tokenizer: Tokenizer, corpus: list[list[int]],
+                                               data: st.DataObject) -> None:
+    """Each streamed piece carries the logprob entries released with it, the end the rest: the
+    same entries as the whole reply; a stop string's cut drops the tokens whose text starts at
+    or after it, and only those."""
+    ids = list(data.draw(st.sampled_from(corpus), label="tokens"))
+    text = tokenizer.decode(ids)
+    stop = tuple(data.draw(st.lists(st.builds(
+        lambda a, n: text[a:a + n], st.integers(0, max(0, len(text) - 1)),
+        st.integers(1, 6)).filter(bool), max_size=2), label="stop"))
+    max_new = data.draw(st.integers(1, len(ids)), label="max_tokens")
+    req = dataclasses.replace(_request(stop, max_new), logprobs=1)
+
+    async def go() -> tuple[list[float], list[float], RequestRecord]:
+        rec = RequestRecord(job=Job(id="r1", model="m", prompt_ids=[1]), request=req,
+                            model="m", decoder=IncrementalDecoder(tokenizer),
+                            prompt_tokens=1, stop_ids=frozenset({EOS}), context=4096)
+        for i, t in enumerate(ids):
+            if rec.push(t, [float(i), [[t, float(i)]]]):
+                break
+        streamed: list[float] = []
+        sent = 0
+        async for k, _ in rec.follow(0):
+            upto = rec.piece_logprobs[k]
+            streamed += [e[1] for e in rec.logprob_entries(sent, upto)]
+            sent = upto
+        streamed += [e[1] for e in rec.logprob_entries(sent, rec.logprobs_released)]
+        whole = [e[1] for e in rec.logprob_entries(0, rec.logprobs_released)]
+        return streamed, whole, rec
+
+    streamed, whole, rec = asyncio.run(go())
+    assert streamed == whole
+    pushed = len(rec.tokens)
+    if rec.finish_reason == "stop":  # cut by a stop string (no end-of-sequence id here)
+        starts = [_prefix_len(tokenizer, ids[:i]) for i in range(pushed)]
+        assert whole == [float(i) for i in range(pushed) if starts[i] < len(rec.text)]
+    else:
+        assert whole == [float(i) for i in range(pushed)]

@@ -142,3 +142,15 @@ def test_sample_rows_refuses_non_finite_logits_in_any_row():
     logits[1, 2] = np.inf
     with pytest.raises(EdgeAgentError, match=r"non-finite logits \(max inf\)"):
         sample_rows(logits, [SamplingParams(), SamplingParams(), SamplingParams()], [0, 1, 2])
+
+
+def test_sample_rows_with_histories_equals_sample_row_by_row():
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((4, 300)).astype(np.float32) * 3  # (B, V)
+    params = [SamplingParams(repeat_penalty=1.5), SamplingParams(),
+              SamplingParams(temperature=0.9, seed=2, presence_penalty=1.0, min_p=0.1),
+              SamplingParams(logit_bias=((3, 50.0),), logprobs=2)]
+    histories = [rng.integers(0, 300, 50).tolist() for _ in params]
+    got = sample_rows(logits, params, [0, 1, 2, 3], histories)
+    assert got == [sample(logits[i], p, i, histories[i]) for i, p in enumerate(params)]
+    assert got[3] == 3

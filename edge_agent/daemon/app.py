@@ -243,6 +243,12 @@ class Daemon:
                            "(or POST /v1/requests) with \"messages\", or drop \"session\" and "
                            "send the whole prompt.")
         tok = self._tokenizer(svc)
+        size = int(tok.vocab_size)
+        for tid, _ in req.logit_bias:
+            if tid >= size:
+                raise ApiError(400, "invalid_request", f"field 'logit_bias.{tid}': token id "
+                               f"{tid} is outside the vocabulary 0..{size - 1} of model "
+                               f"{name!r}. Hint: use ids this model's POST /tokenize returns.")
         if req.session is not None:  # history + the new turn (daemon/sessions.py)
             prompt_ids = self.sessions.prompt_ids(req, name, tok)
         elif req.chat:

@@ -107,6 +107,7 @@ def _request_from(data: dict[str, Any]) -> GenerationRequest:
     if d.get("messages") is not None:
         d["messages"] = tuple(ChatMessage(**m) for m in d["messages"])
     d["stop"] = tuple(d.get("stop") or ())
+    d["logit_bias"] = tuple((int(i), float(b)) for i, b in d.get("logit_bias") or ())
     return GenerationRequest(**d)
 
 

@@ -12,6 +12,13 @@ Invariants owned here:
   prompt + `tokens` and its first token is generation index len(tokens) (sampling is keyed by
   (seed, generation index)), so nothing is regenerated; a token routed for an index below
   `len(tokens)` would be skipped, never re-emitted.
+- Log-probabilities (when the request asks): `logprobs[i]` belongs to token i (None: not known,
+  the token was restored from the journal after a daemon restart). Token i's entry is released
+  once some of its text is (its text starts before the end of `text`), or when the request
+  ends without a stop string; a stop string's cut drops the entries of the tokens whose text
+  starts at or after the cut. `piece_logprobs[k]` is how many entries were released when
+  piece k was appended, so a stream sends with each piece the entries released with it, and
+  the entries of a stream are those of the non-streamed reply.
 - `finish()` happens once; afterwards the record never changes and `done` is set. Waiters are
   woken through one `asyncio.Condition`-like version counter (no lost wake-ups).
 """
@@ -44,6 +51,12 @@ class RequestRecord:
         self.tokens: list[int] = []
         self.pieces: list[str] = []
         self.stops = StopText(request.stop)  # holds back text that could start a stop string
+        self.wants_logprobs = request.logprobs is not None
+        # per token: (logprob, [(id, logprob), ...]) or None; where its text starts
+        self.logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+        self.starts: list[int] = []
+        self.logprobs_released = 0  # entries released (see the invariants)
+        self.piece_logprobs: list[int] = []  # logprobs_released when piece k was appended
         self.text = ""  # released text
         self.replay = 0  # generated-token index of the current attempt
         self.attempt_start = 0  # len(tokens) when the current attempt began
@@ -66,8 +79,9 @@ class RequestRecord:
         (the runner prefills prompt + tokens)."""
         self.replay = self.attempt_start = len(self.tokens)
 
-    def push(self, token: int) -> bool:
-        """Route one generated token; True when the request is complete."""
+    def push(self, token: int, logprobs: Any = None) -> bool:
+        """Route one generated token (with the runner's `[logprob, [[id, logprob], ...]]` when
+        the request asked for them); True when the request is complete."""
         if self.done.is_set():
             return True
         index = self.replay
@@ -75,17 +89,22 @@ class RequestRecord:
         if index < len(self.tokens):
             return False  # regenerated during a replay: already emitted
         if token in self.stop_ids:
-            self._release(self.stops.end(self.decoder.flush()))
+            out = self.stops.end(self.decoder.flush())
+            self._release(out, final=not self.stops.stopped)
             self.finish("stop")
             return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if self.wants_logprobs:
+            self.starts.append(len(self.text) + len(self.stops.held))
+            self.logprobs.append(None if logprobs is None else (
+                float(logprobs[0]), [(int(i), float(v)) for i, v in logprobs[1]]))
         self.tokens.append(token)
         out = self.stops.push(self.decoder.push(token))
         if not self.stops.stopped and len(self.tokens) >= self.max_new:
             out += self.stops.end(self.decoder.flush())
             if not self.stops.stopped:
-                self._release(out)
+                self._release(out, final=True)
                 self.finish("length")
                 return True
         self._release(out)
@@ -93,18 +112,39 @@ class RequestRecord:
             self.finish("stop")
         return self.stops.stopped
 
-    def _release(self, out: str) -> None:
+    def _release(self, out: str, *, final: bool = False) -> None:
+        """Release `out`; `final`: the request ends here without a stop string's cut."""
         self.text += out
+        if self.wants_logprobs:
+            n = self.logprobs_released
+            if final:
+                n = len(self.tokens)
+            while n < len(self.tokens) and self.starts[n] < len(self.text):
+                n += 1
+            self.logprobs_released = n
         if len(self.pieces) < len(self.tokens):  # the piece of the newest token
             while len(self.pieces) < len(self.tokens) - 1:
-                self.pieces.append("")
-            self.pieces.append(out)
+                self._piece("")
+            self._piece(out)
         elif out:
             # Text released with no new token (held back until an end-of-sequence token or a
             # stop check): a piece of its own. The newest token's piece may already have been
             # streamed, so appending to it would lose this text on every live stream.
-            self.pieces.append(out)
+            self._piece(out)
         self._notify()
+
+    def _piece(self, text: str) -> None:
+        self.pieces.append(text)
+        self.piece_logprobs.append(self.logprobs_released)
+
+    def logprob_entries(self, start: int, end: int) -> list[tuple[Any, ...]]:
+        """Entries [start, end) as protocol.api's TokenLogprob tuples."""
+        out = []
+        for i in range(start, end):
+            lp = self.logprobs[i]
+            out.append((self.tokens[i], None if lp is None else lp[0],
+                        () if lp is None else lp[1], self.starts[i]))
+        return out
 
     def finish(self, reason: str | None, error: tuple[int, str, str] | None = None,
                **extra: Any) -> None:

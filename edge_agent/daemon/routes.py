@@ -32,14 +32,17 @@ from edge_agent.protocol.api import (
     MAX_TOKENS_LIMIT,
     SSE_DONE,
     ApiError,
+    chat_logprobs,
     check_query,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     parse_detokenize,
     parse_generation,
     parse_tokenize,
     query_int,
     sse_event,
+    usage_chunk,
 )
 from edge_agent.protocol.ollama import error_body as ollama_error_body
 from edge_agent.protocol.ollama import is_ollama_path
@@ -252,27 +255,46 @@ class Router:
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
             completion_tokens=len(rec.tokens),
-            tool_calls=structured.tool_calls(rec.request, rec.text, rec.id))
+            tool_calls=structured.tool_calls(rec.request, rec.text, rec.id),
+            logprobs=self._logprobs(rec, 0, rec.logprobs_released))
         return _json(200, body)
 
+    def _logprobs(self, rec: RequestRecord, start: int, end: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for tokens [start, end) of `rec` (None: not asked)."""
+        if not rec.wants_logprobs:
+            return None
+        tok = self.d.services[rec.model].ensure_tokenizer()
+        render = chat_logprobs if rec.request.chat else completion_logprobs
+        return render(rec.logprob_entries(start, end), tok.token_bytes)
+
     async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:
+        usage = rec.request.include_usage
         common = {"rid": rec.id, "model": rec.model, "created": rec.created,
                   "chat": rec.request.chat}
         try:
             first = True
-            async for _, piece in rec.follow(0):
-                if piece or (first and rec.request.chat):
-                    yield sse_event(completion_chunk(text=piece, finish_reason=None,
-                                                     first=first, **common))
+            sent = 0  # logprob entries sent (each piece carries those released with it)
+            async for i, piece in rec.follow(0):
+                upto = rec.piece_logprobs[i]
+                if piece or upto > sent or (first and rec.request.chat):
+                    yield sse_event(completion_chunk(
+                        text=piece, finish_reason=None, first=first, include_usage=usage,
+                        logprobs=self._logprobs(rec, sent, upto), **common))
                     first = False
+                    sent = upto
             if rec.error is not None:
                 status, code, message = rec.error
                 extra = {"status": status, "id": rec.id,
                          **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
                 yield sse_event(json.loads(ApiError(status, code, message, extra=extra).body()))
             else:
-                yield sse_event(completion_chunk(text=None, finish_reason=rec.finish_reason,
-                                                 first=first, **common))
+                yield sse_event(completion_chunk(
+                    text=None, finish_reason=rec.finish_reason, first=first,
+                    include_usage=usage,
+                    logprobs=self._logprobs(rec, sent, rec.logprobs_released), **common))
+                if usage:
+                    yield sse_event(usage_chunk(prompt_tokens=rec.prompt_tokens,
+                                                completion_tokens=len(rec.tokens), **common))
             yield SSE_DONE
         finally:
             if not rec.done.is_set():
@@ -323,6 +345,12 @@ class Router:
 
     async def create_request(self, req: Request) -> Reply:
         greq = self._parse(req, None)
+        if greq.logprobs is not None or greq.include_usage:
+            field = "logprobs" if greq.logprobs is not None else "stream_options.include_usage"
+            raise ApiError(400, "unsupported_parameter", f"field {field!r}: is reported on "
+                           "/v1/chat/completions and /v1/completions only, not by "
+                           "/v1/requests. Hint: send the request to one of those, or remove "
+                           f"{field!r}.")
         rec = self.d.submit(greq)
         return _json(202, rec.to_dict(time.monotonic()),
                      headers=(("location", f"/v1/requests/{rec.id}"),))

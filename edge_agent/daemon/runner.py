@@ -11,7 +11,8 @@ Invariants owned here:
   executed in order: releases first (free KV blocks), then prefill of added sequences (each
   returns its first token; an add with `generated` prefills prompt + those tokens and returns
   the next one: a resumed request continues where it stopped), then one batched decode step
-  of the listed sequences.
+  of the listed sequences. The reply's `logprobs` holds, for each sequence whose params ask,
+  `[chosen token's logprob, [[id, logprob], ...the N most likely]]`.
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
 - Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
@@ -39,7 +40,9 @@ from edge_agent.runtime.engines import EngineLike, load_engine
 __all__ = ["main", "WARMUP_ID"]
 
 WARMUP_ID = "__warmup__"
-_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop")
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "min_p",
+                  "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n",
+                  "logit_bias", "logprobs")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +67,14 @@ def _params(d: dict[str, Any]) -> Any:
     kw = {k: d[k] for k in _SAMPLING_KEYS if k in d}
     if "stop" in kw:
         kw["stop"] = tuple(kw["stop"])
+    if "logit_bias" in kw:  # [[id, bias], ...] on the wire
+        kw["logit_bias"] = tuple((int(i), float(b)) for i, b in kw["logit_bias"])
     return SamplingParams(**kw)
+
+
+def _logprobs(engine: EngineLike, into: dict[str, Any]) -> None:
+    for sid, lp in engine.last_logprobs.items():
+        into[sid] = [lp.logprob, [[i, v] for i, v in lp.top]]
 
 
 def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +99,8 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError, EdgeAgentError) as exc:
             errors[add["id"]] = str(exc)
     added, failed = engine.add_many(new)  # similar-length prompts share one forward
+    logprobs: dict[str, Any] = {}
+    _logprobs(engine, logprobs)
     tokens = {sid: int(tok) for sid, tok in added.items()}
     errors.update((sid, str(exc)) for sid, exc in failed.items())
     for sid in failed:
@@ -98,11 +110,15 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
         try:
             for sid, tok in engine.step(step_ids).items():
                 tokens[sid] = int(tok)
+            _logprobs(engine, logprobs)
         except EdgeAgentError as exc:
             for sid in step_ids:
                 errors[sid] = str(exc)
-    return {"op": "result", "tokens": tokens, "errors": errors,
-            "free_blocks": engine.free_blocks, "step_s": time.perf_counter() - t0}
+    reply = {"op": "result", "tokens": tokens, "errors": errors,
+             "free_blocks": engine.free_blocks, "step_s": time.perf_counter() - t0}
+    if logprobs:
+        reply["logprobs"] = logprobs
+    return reply
 
 
 def _serve(sock: socket.socket, args: argparse.Namespace) -> int:

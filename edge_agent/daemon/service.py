@@ -346,6 +346,7 @@ class ModelService:
             self.to_release.append(jid)
             if rec is not None:
                 self.daemon.fail_record(rec, now, 500, "runner_error", message)
+        logprobs = reply.get("logprobs", {})
         for jid, token in reply.get("tokens", {}).items():
             rec = self.active.get(jid)
             if rec is None:
@@ -355,7 +356,7 @@ class ModelService:
                 self.to_release.append(jid)
                 continue
             before = len(rec.tokens)
-            finished = rec.push(int(token))
+            finished = rec.push(int(token), logprobs.get(jid))
             self.daemon.journal.token(rec, before)
             if finished:
                 del self.active[jid]

@@ -8,8 +8,8 @@ Invariants owned here:
 - Every top-level field is known to the endpoint or refused (400 `unknown_parameter` naming it,
   in body order). A known field is honored; or on the documented ignore list (accepted, type
   checked, no effect: IGNORED_FIELDS); or an OpenAI parameter this server does not implement
-  (400 `unsupported_parameter`), unless it carries its neutral value (`presence_penalty: 0`,
-  `logit_bias: {}`, ...), which changes nothing. `null` is as if absent.
+  (400 `unsupported_parameter`), unless it carries its neutral value (`functions: []`,
+  `modalities: ["text"]`, ...), which changes nothing. `null` is as if absent.
 - Error bodies are OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; `type`
   follows the status (`invalid_request_error` for 4xx, `server_error` for 5xx), `param` names
   the field (`None` when the error is about no single field).
@@ -63,15 +63,22 @@ __all__ = [
     "error_body",
     "completion_response",
     "completion_chunk",
+    "usage_chunk",
+    "chat_logprobs",
+    "completion_logprobs",
     "sse_event",
     "SSE_DONE",
     "MAX_STOP",
     "SESSION_MAX_LEN",
     "MAX_TOKENS_LIMIT",
     "field_error",
+    "MAX_LOGIT_BIAS_ENTRIES",
 ]
 
 MAX_STOP = 4
+MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids one request may bias
+CHAT_MAX_LOGPROBS = 20  # OpenAI's top_logprobs range (chat)
+COMPLETION_MAX_LOGPROBS = 5  # OpenAI's logprobs range (completions)
 SESSION_MAX_LEN = 128
 MAX_TOKENS_LIMIT = 8192  # the largest max_tokens any request may ask for (HTTP and UART)
 ROLES = ("system", "user", "assistant", "tool")
@@ -147,16 +154,33 @@ class GenerationRequest:
     response_format: dict[str, Any] | None = None
     tools: tuple[dict[str, Any], ...] | None = None  # [{"type": "function", "function": ...}]
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {named}
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    logprobs: int | None = None  # None: not asked; N: each token's logprob and the N likeliest
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
     def sampling_dict(self, seed: int) -> dict[str, Any]:
-        """Plain data for the runner's SamplingParams (the seed resolved by the caller)."""
-        return {
+        """Plain data for the runner's SamplingParams (the seed resolved by the caller); the
+        newer controls only when they change something (SamplingParams' defaults are neutral)."""
+        out: dict[str, Any] = {
             "temperature": self.temperature,
             "top_k": self.top_k,
             "top_p": self.top_p,
             "seed": self.seed if self.seed is not None else seed,
             "max_tokens": self.max_tokens,
         }
+        for key, neutral in (("min_p", 0.0), ("presence_penalty", 0.0),
+                             ("frequency_penalty", 0.0), ("repeat_penalty", 1.0),
+                             ("repeat_last_n", 64), ("logprobs", None)):
+            if getattr(self, key) != neutral:
+                out[key] = getattr(self, key)
+        if self.logit_bias:
+            out["logit_bias"] = [[i, b] for i, b in self.logit_bias]
+        return out
 
 
 def field_error(field: str, problem: str, hint: str, code: str = "invalid_request") -> ApiError:
@@ -600,10 +624,14 @@ def _tools(d: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None,
 _CHAT, _COMPLETION = "chat", "completion"
 _BOTH = frozenset((_CHAT, _COMPLETION))
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-           "response_format")
-EXTENSION_FIELDS = ("top_k", "priority", "timeout_ms", "session")  # not OpenAI's; honored
+           "response_format", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+           "stream_options")
+# not OpenAI's; honored (min_p, repeat_penalty, repeat_last_n: llama-server's names)
+EXTENSION_FIELDS = ("top_k", "min_p", "repeat_penalty", "repeat_last_n", "priority",
+                    "timeout_ms", "session")
 HONORED_FIELDS: dict[str, frozenset[str]] = {
-    _CHAT: frozenset(("messages", "max_completion_tokens", "tools", "tool_choice", *_COMMON,
+    _CHAT: frozenset(("messages", "max_completion_tokens", "top_logprobs", "tools",
+                      "tool_choice", *_COMMON,
                       *EXTENSION_FIELDS)),
     _COMPLETION: frozenset(("prompt", *_COMMON, *EXTENSION_FIELDS)),
 }
@@ -615,10 +643,6 @@ def _is_str(v: Any) -> bool:
 
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
-
-
-def _is_zero(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
 
 
 def _is_one(v: Any) -> bool:
@@ -646,20 +670,10 @@ IGNORED_FIELDS: dict[str, tuple[frozenset[str], Callable[[Any], bool], str]] = {
 # OpenAI (or llama-server) parameters this server does not implement: 400 unless the value is
 # the neutral one. (neutral check, the neutral value as shown, planned: "not supported yet")
 _Unsupported = tuple[Callable[[Any], bool], str, bool]
-_SHARED_UNSUPPORTED: dict[str, _Unsupported] = {
-    "presence_penalty": (_is_zero, "0", True),
-    "frequency_penalty": (_is_zero, "0", True),
-    "logit_bias": (lambda v: v == {}, "{}", True),
-    "min_p": (_is_zero, "0", True),
-    "repeat_penalty": (_is_one, "1", True),
-}
 UNSUPPORTED_FIELDS: dict[str, dict[str, _Unsupported]] = {
     _CHAT: {
-        **_SHARED_UNSUPPORTED,
         "functions": (lambda v: v == [], "[]", True),
         "function_call": (lambda v: v in ("none", "auto"), '"none"', True),
-        "logprobs": (lambda v: v is False, "false", True),
-        "top_logprobs": (_is_zero, "0", True),
         "modalities": (lambda v: v == ["text"], '["text"]', False),
         "audio": (_never, "null", False),
         "prediction": (_never, "null", False),
@@ -668,9 +682,7 @@ UNSUPPORTED_FIELDS: dict[str, dict[str, _Unsupported]] = {
         "verbosity": (_never, "null", False),
     },
     _COMPLETION: {
-        **_SHARED_UNSUPPORTED,
         "echo": (lambda v: v is False, "false", True),
-        "logprobs": (_never, "null", True),
         "suffix": (lambda v: v == "", '""', True),
         "best_of": (_is_one, "1", False),
     },
@@ -713,9 +725,6 @@ def _check_fields(d: Mapping[str, Any], chat: bool) -> None:
                 raise _bad(key, f"expected {ignored[2]}, got {_show(value)}",
                            f"send {ignored[2]}, or leave it out (it is accepted and ignored)")
             continue
-        if key == "stream_options":
-            _stream_options(value)
-            continue
         if key in unsupported:
             neutral, shown, planned = unsupported[key]
             if value is None or neutral(value):
@@ -729,9 +738,10 @@ def _check_fields(d: Mapping[str, Any], chat: bool) -> None:
         raise _unknown(key, takes, _UNKNOWN_HINTS.get((kind, key)), where)
 
 
-def _stream_options(value: Any) -> None:
+def _stream_options(value: Any) -> bool:
+    """Whether `stream_options` asks for the usage chunk (include_usage)."""
     if value is None:
-        return
+        return False
     if not isinstance(value, dict):
         raise _bad("stream_options", f"expected an object, got {_show(value)}",
                    'use {"include_usage": false} or leave it out')
@@ -742,10 +752,51 @@ def _stream_options(value: Any) -> None:
                            [f"stream_options.{k}" for k in _STREAM_OPTIONS])
         if v is not None and not isinstance(v, bool):
             raise _bad(where, f"expected true or false, got {_show(v)}", "send true or false")
-        if key == "include_usage" and v:
-            raise _bad(where, "is not supported yet (got true; only false, which changes "
-                       "nothing, is accepted)", "remove it; the final non-streamed reply "
-                       "carries usage", code="unsupported_parameter")
+    return value.get("include_usage") is True
+
+
+def _logit_bias(d: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: ids as decimal strings, bias in [-100, 100]; sorted by id.
+    (The ids are checked against the model's vocabulary by the caller.)"""
+    v = d.get("logit_bias")
+    if v is None:
+        return ()
+    hint = 'use e.g. "logit_bias": {"50256": -100} (token ids from POST /tokenize)'
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", f"expected an object of token id -> bias, got {_show(v)}",
+                   hint)
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"{len(v)} token ids given", f"bias at most "
+                   f"{MAX_LOGIT_BIAS_ENTRIES} tokens")
+    out = []
+    for key, bias in v.items():
+        where = f"logit_bias.{_show_key(key)}"
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise _bad(where, f"{_show(key)} is not a token id", hint)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias or (
+                not -100 <= bias <= 100):
+            raise _bad(where, f"bias {_show(bias)} is not a number in [-100, 100]",
+                       "-100 bans the token, 100 all but forces it, 0 changes nothing")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _logprobs(d: Mapping[str, Any], chat: bool) -> int | None:
+    """How many alternatives to report per token (None: no logprobs). Chat: `logprobs` true
+    with `top_logprobs` 0..20; completions: `logprobs` 0..5."""
+    if not chat:
+        return _int(d, "logprobs", None, 0, COMPLETION_MAX_LOGPROBS)
+    want = d.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise _bad("logprobs", f"expected true or false, got {_show(want)}",
+                   'use "logprobs": true (and "top_logprobs": N for alternatives)')
+    top = _int(d, "top_logprobs", None, 0, CHAT_MAX_LOGPROBS)
+    if not want:
+        if top:
+            raise _bad("top_logprobs", f"{top} alternatives asked without \"logprobs\": true",
+                       'send "logprobs": true with it')
+        return None
+    return top or 0
 
 
 def _max_tokens(d: Mapping[str, Any], chat: bool, limit: int, default: int | None) -> int:
@@ -842,6 +893,14 @@ def parse_generation(
         response_format=_response_format(d),
         tools=tools,
         tool_choice=tool_choice,
+        min_p=_float(d, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_float(d, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(d, "frequency_penalty", 0.0, -2.0, 2.0),
+        repeat_penalty=_float(d, "repeat_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        repeat_last_n=int(_int(d, "repeat_last_n", 64, -1, 1 << 20) or 0),
+        logit_bias=_logit_bias(d),
+        logprobs=_logprobs(d, chat),
+        include_usage=_stream_options(d.get("stream_options")),
     )
 
 
@@ -921,21 +980,63 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
     return DetokenizeRequest(tokens=tuple(tokens), model=_model_field(d))
 
 
+# One token's log-probabilities as the control plane holds them: (token id, its logprob, the
+# likeliest [(id, logprob), ...], the character offset of its text in the completion); logprob
+# None when unknown (generated before a daemon restart).
+TokenLogprob = tuple[int, float | None, Sequence[tuple[int, float]], int]
+
+
+def _token_str(raw: bytes) -> str:
+    """A token's text; bytes that are not whole UTF-8 characters as \\xNN escapes (the
+    `bytes` field carries them exactly)."""
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob],
+                  token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """Chat's `choices[i].logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(tid: int, lp: float | None) -> dict[str, Any]:
+        raw = token_bytes(tid)
+        return {"token": _token_str(raw), "logprob": lp, "bytes": list(raw)}
+
+    return {"content": [{**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]}
+                        for tid, lp, top, _ in entries], "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob],
+                        token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """Completions' `choices[i].logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}
+    (`text_offset`: where each token's text starts in the completion's text)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, lp, top, at in entries:
+        tokens.append(_token_str(token_bytes(tid)))
+        lps.append(lp)
+        tops.append({_token_str(token_bytes(i)): v for i, v in top} if lp is not None
+                    else None)
+        offsets.append(at)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def completion_response(
     *, rid: str, model: str, created: int, chat: bool, text: str, finish_reason: str | None,
     prompt_tokens: int, completion_tokens: int, tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
-    tools: content null, finish_reason "tool_calls"."""
+    tools: content null, finish_reason "tool_calls" (`logprobs`: chat_logprobs or
+    completion_logprobs, when the request asked)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat and tool_calls:
         choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         choice["finish_reason"] = "tool_calls"
     elif chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
     else:
         choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -952,24 +1053,49 @@ def completion_response(
 
 def completion_chunk(
     *, rid: str, model: str, created: int, chat: bool, text: str | None,
-    finish_reason: str | None, first: bool = False,
+    finish_reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chunk; with chat, the first chunk carries the assistant role."""
+    """One streamed chunk; with chat, the first chunk carries the assistant role. `logprobs`:
+    those of the tokens this chunk carries; `include_usage`: the chunk has `"usage": null`
+    (the usage comes in `usage_chunk`, last)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
         choice["delta"] = delta
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
     else:
         choice["text"] = text or ""
-        choice["logprobs"] = None
-    return {
+        choice["logprobs"] = logprobs
+    out: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
+    }
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(*, rid: str, model: str, created: int, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 

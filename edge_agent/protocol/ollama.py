@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from edge_agent.protocol import api
 from edge_agent.protocol.api import (
     UNTIL_CONTEXT,
     ApiError,
@@ -114,12 +113,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "typical_p": (lambda v: _is_num(v) and v == 1, "1"),
     "tfs_z": (lambda v: _is_num(v) and v == 1, "1"),
     "mirostat": (lambda v: _is_num(v) and v == 0, "0"),
-    "presence_penalty": (lambda v: _is_num(v) and v == 0, "0"),
-    "frequency_penalty": (lambda v: _is_num(v) and v == 0, "0"),
-    "repeat_penalty": (lambda v: _is_num(v) and v == 1, "1"),
-    "min_p": (lambda v: _is_num(v) and v == 0, "0"),
-    # without a repeat penalty the window it looks back over changes nothing
-    "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "any integer >= -1"),
 }
 _OPTIONS = sorted({"seed", "num_predict", *_MAPPED, *_PASS_THROUGH, *IGNORED_OPTIONS,
                    *UNSUPPORTED_OPTIONS})
@@ -286,12 +279,11 @@ def _options(d: Mapping[str, Any], limit: int) -> tuple[dict[str, Any], dict[str
                    'use e.g. "options": {"temperature": 0, "num_predict": 64}')
     fields: dict[str, Any] = dict(OLLAMA_DEFAULTS)
     names: dict[str, str] = {}
-    api_knows = set(api.HONORED_FIELDS["chat"]) | set(api.UNSUPPORTED_FIELDS["chat"])
     for key, v in opts.items():
         where = f"options.{key}"
         if v is None:  # as if absent
             continue
-        if key in _MAPPED or (key in _PASS_THROUGH and key in api_knows):
+        if key in _MAPPED or key in _PASS_THROUGH:
             fields[_MAPPED.get(key, key)] = v
             names[_MAPPED.get(key, key)] = where
         elif key == "seed":

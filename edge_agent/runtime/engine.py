@@ -32,7 +32,12 @@ from edge_agent.runtime.constrain import Constraints
 from edge_agent.runtime.kvcache import BlockTable, KVCacheExhaustedError, blocks_for
 from edge_agent.runtime.model import Llama, ModelConfig
 from edge_agent.runtime.prefill_groups import NewSeq, prefill_groups
-from edge_agent.runtime.sampling import SamplingParams, sample, sample_rows
+from edge_agent.runtime.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    sample_rows_with_logprobs,
+    sample_with_logprobs,
+)
 
 if TYPE_CHECKING:
     from edge_agent.runtime.tokenizer import Tokenizer
@@ -70,6 +75,7 @@ class _Seq:
     params: SamplingParams
     last: int  # last sampled token, fed by the next step
     generated: int  # tokens sampled so far (the next one is generation index `generated`)
+    history: list[int] | None = None  # prompt + sampled tokens, kept only for penalties
 
 
 class Engine:
@@ -103,6 +109,8 @@ class Engine:
         self._seqs: dict[str, _Seq] = {}
         self._ctl = _controller()
         self._ids = itertools.count()
+        # the log-probabilities of the last add_many / step, by sequence (those that asked)
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         # End-of-generation ids (eos, eot, ...): a completion stops before them.
         eos = None if tokenizer is None else tokenizer.eos_id
         eog = getattr(tokenizer, "eog_ids", None) or ({eos} if eos is not None else set())
@@ -237,6 +245,7 @@ class Engine:
         them, which is most of a short prompt's cost."""
         tokens: dict[str, int] = {}
         errors: dict[str, EdgeAgentError] = {}
+        self.last_logprobs = {}
         seq_ids = [seq.seq_id for seq in new]
         if len(set(seq_ids)) != len(seq_ids):
             raise EngineError(f"engine: add_many() got a sequence id twice in {seq_ids!r}. "
@@ -284,6 +293,13 @@ class Engine:
                 f"engine: prompt of {seq_id!r} holds token id {bad[0]} outside the vocabulary "
                 f"0..{self.config.vocab_size - 1}. Hint: encode text with this model's tokenizer."
             )
+        bad = [i for i, _ in seq.params.logit_bias if i >= self.config.vocab_size]
+        if bad:
+            raise EngineError(
+                f"engine: logit_bias of {seq_id!r} names token id {bad[0]} outside the "
+                f"vocabulary 0..{self.config.vocab_size - 1}. Hint: use ids this model's "
+                "tokenizer gives."
+            )
         if len(ids) >= self.context:
             raise EngineError(
                 f"engine: prompt of {seq_id!r} has {len(ids)} tokens"
@@ -304,13 +320,16 @@ class Engine:
                 self.pool.release(table)
             raise
         self.constraints.mask([seq.seq_id for seq, _ in part], rows)
-        for (seq, _), table, logits in zip(part, tables, rows, strict=True):
+        for (seq, ids), table, logits in zip(part, tables, rows, strict=True):
             done = len(seq.generated)
-            token = sample(logits, seq.params, done)
+            token, lp = sample_with_logprobs(logits, seq.params, done, ids)
             self.constraints.advance([seq.seq_id], [token])
+            history = [*ids, token] if seq.params.penalized else None
             self._seqs[seq.seq_id] = _Seq(table=table, params=seq.params, last=token,
-                                          generated=done + 1)
+                                          generated=done + 1, history=history)
             tokens[seq.seq_id] = token
+            if lp is not None:
+                self.last_logprobs[seq.seq_id] = lp
 
     def step(self, seq_ids: Sequence[str]) -> dict[str, int]:
         """One batched decode step: feed each sequence's last token, sample the next."""
@@ -337,17 +356,24 @@ class Engine:
                 f"{self.pool.n_blocks} are free. Hint: release finished sequences or lower the "
                 "batch size."
             )
+        self.last_logprobs = {}
         with self._limits():
             logits = self.model.decode([q.last for q in seqs], [q.table for q in seqs],
                                        self.pool)  # (B, V)
         self.constraints.mask(seq_ids, logits)
-        tokens = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
+        tokens, lps = sample_rows_with_logprobs(
+            logits, [q.params for q in seqs], [q.generated for q in seqs],
+            [q.history or () for q in seqs])
         self.constraints.advance(seq_ids, tokens)
         out: dict[str, int] = {}
-        for seq_id, q, token in zip(seq_ids, seqs, tokens, strict=True):
+        for seq_id, q, token, lp in zip(seq_ids, seqs, tokens, lps, strict=True):
             q.last = token
             q.generated += 1
+            if q.history is not None:
+                q.history.append(token)
             out[seq_id] = token
+            if lp is not None:
+                self.last_logprobs[seq_id] = lp
         return out
 
     def release(self, seq_id: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
-from edge_agent.runtime.sampling import SamplingParams
+from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "EngineLike", "ModelFacts", "TokenizerLike",
            "llamacpp_budget_bytes", "load_engine", "model_facts", "open_tokenizer",
@@ -72,6 +72,8 @@ class EngineLike(Protocol):
     stop_ids: frozenset[int]
     tokenizer: Any
     constraints: Any  # runtime/constrain.py Constraints: grammars of constrained sequences
+    # the last add_many / step's log-probabilities, by sequence (only those whose params ask)
+    last_logprobs: dict[str, TokenLogprobs]
 
     @property
     def free_blocks(self) -> int: ...

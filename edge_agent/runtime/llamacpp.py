@@ -49,7 +49,7 @@ from edge_agent.runtime.llama_vocab import (
     recent_errors,
 )
 from edge_agent.runtime.prefill_groups import NewSeq
-from edge_agent.runtime.sampling import SamplingParams, sample_rows
+from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs, sample_rows_with_logprobs
 
 __all__ = ["LlamaCppEngine", "LlamaCppError", "default_threads"]
 
@@ -110,6 +110,7 @@ class _Seq:
     length: int  # tokens in the KV cache (prompt + fed tokens)
     last: int  # last sampled token, fed by the next step
     generated: int  # tokens sampled so far (the next one is generation index `generated`)
+    history: list[int] | None = None  # prompt + sampled tokens, kept only for penalties
 
 
 class LlamaCppEngine:
@@ -181,6 +182,8 @@ class LlamaCppEngine:
         self._free_slots = list(range(max_batch))
         self._ids = itertools.count()
         self.constraints = Constraints(self.tokenizer, self.n_vocab)  # grammars by sequence
+        # the log-probabilities of the last add_many / step, by sequence (those that asked)
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
         self.mlock_policy = mlock
         self.lock: dict[str, Any] | None = None
@@ -331,6 +334,11 @@ class LlamaCppEngine:
                 f"engine: prompt of {seq.seq_id!r} holds token id {bad[0]} outside the "
                 f"vocabulary 0..{self.n_vocab - 1}. Hint: encode text with this model's "
                 "tokenizer.")
+        bad = [i for i, _ in seq.params.logit_bias if i >= self.n_vocab]
+        if bad:
+            raise LlamaCppError(
+                f"engine: logit_bias of {seq.seq_id!r} names token id {bad[0]} outside the "
+                f"vocabulary 0..{self.n_vocab - 1}. Hint: use ids this model's tokenizer gives.")
         if len(ids) >= self.context:
             raise LlamaCppError(
                 f"engine: prompt of {seq.seq_id!r} has {len(ids)} tokens"
@@ -349,6 +357,7 @@ class LlamaCppEngine:
                                 "Hint: use a new id for each sequence.")
         tokens: dict[str, int] = {}
         errors: dict[str, EdgeAgentError] = {}
+        self.last_logprobs = {}
         ready: list[tuple[NewSeq, list[int], int]] = []
         for seq in new:
             try:
@@ -378,15 +387,20 @@ class LlamaCppEngine:
         order = list(range(len(ready)))
         rows = np.stack([last_row[k] for k in order])  # (B, V)
         self.constraints.mask([ready[k][0].seq_id for k in order], rows)
-        sampled = sample_rows(rows, [ready[k][0].params for k in order],
-                              [len(ready[k][0].generated) for k in order])
+        sampled, lps = sample_rows_with_logprobs(
+            rows, [ready[k][0].params for k in order],
+            [len(ready[k][0].generated) for k in order], [ready[k][1] for k in order])
         self.constraints.advance([ready[k][0].seq_id for k in order], sampled)
-        for k, token in zip(order, sampled, strict=True):
+        for k, token, lp in zip(order, sampled, lps, strict=True):
             seq, ids, slot = ready[k]
             self._free_slots.remove(slot)
+            history = [*ids, int(token)] if seq.params.penalized else None
             self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, length=len(ids),
-                                          last=int(token), generated=len(seq.generated) + 1)
+                                          last=int(token), generated=len(seq.generated) + 1,
+                                          history=history)
             tokens[seq.seq_id] = int(token)
+            if lp is not None:
+                self.last_logprobs[seq.seq_id] = lp
         return tokens, errors
 
     def step(self, seq_ids: Sequence[str]) -> dict[str, int]:
@@ -402,17 +416,24 @@ class LlamaCppEngine:
             raise LlamaCppError(
                 f"engine: sequence {full[0]!r} has reached the context of {self.context} "
                 "tokens. Hint: release it (finish the request) or load a larger context.")
+        self.last_logprobs = {}
         self._decode([(q.last, q.length, q.slot, True) for q in seqs])
         logits = self._logits(len(seqs))  # (B, V)
         self.constraints.mask(seq_ids, logits)
-        sampled = sample_rows(logits, [q.params for q in seqs], [q.generated for q in seqs])
+        sampled, lps = sample_rows_with_logprobs(
+            logits, [q.params for q in seqs], [q.generated for q in seqs],
+            [q.history or () for q in seqs])
         self.constraints.advance(seq_ids, sampled)
         out: dict[str, int] = {}
-        for sid, q, token in zip(seq_ids, seqs, sampled, strict=True):
+        for sid, q, token, lp in zip(seq_ids, seqs, sampled, lps, strict=True):
             q.length += 1
             q.last = int(token)
             q.generated += 1
+            if q.history is not None:
+                q.history.append(int(token))
             out[sid] = int(token)
+            if lp is not None:
+                self.last_logprobs[sid] = lp
         return out
 
     def release(self, seq_id: str) -> None:
