@@ -11,6 +11,15 @@ __all__ = [
     "UsageError",
     "ModelFileError",
     "MemoryLockError",
+    "ServiceError",
+    "ShuttingDown",
+    "AdmissionRefused",
+    "ModelNotFound",
+    "PortNotOwned",
+    "FlashBusy",
+    "FlashJobNotFound",
+    "BoardProfileError",
+    "UploadFailed",
     "EXIT_OK",
     "EXIT_ERROR",
     "EXIT_USAGE",
@@ -47,3 +56,79 @@ class ModelFileError(EdgeAgentError, ValueError):
 
 class MemoryLockError(EdgeAgentError, OSError):
     """Weights could not be locked in memory and the policy requires it."""
+
+
+# -- the daemon's answers ------------------------------------------------------------------------
+# Raised inside the daemon with what a caller needs as attributes, never with a transport's
+# status. Each edge maps them in one place: protocol/api.py `api_error` to an HTTP status and
+# OpenAI error body, daemon/uart_backend.py `backend_error` to a UART error code.
+
+
+class ServiceError(EdgeAgentError):
+    """The daemon refuses or cannot do what a client asked (the message says why and what to
+    do); `retry_after_s` is set when trying again later can work."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(ServiceError):
+    """The daemon is stopping; the service manager brings it back."""
+
+
+class AdmissionRefused(ServiceError):
+    """New requests are not admitted now (memory pressure stage `stage`)."""
+
+    def __init__(self, message: str, *, retry_after_s: int, stage: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.stage = stage
+
+
+class ModelNotFound(ServiceError):
+    """No model of that name is registered."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class PortNotOwned(ServiceError):
+    """A flash job for a port the daemon does not own (`same_board_as`: the owned port naming
+    the same board with other options, if any)."""
+
+    def __init__(self, message: str, *, port: str, same_board_as: str | None = None) -> None:
+        super().__init__(message)
+        self.port = port
+        self.same_board_as = same_board_as
+
+
+class FlashBusy(ServiceError):
+    """The board behind `port` is being flashed by job `job_id`."""
+
+    def __init__(self, message: str, *, port: str, job_id: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.port = port
+        self.job_id = job_id
+
+
+class FlashJobNotFound(ServiceError):
+    """No flash job with that id (unknown, or forgotten after it finished)."""
+
+    def __init__(self, message: str, *, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class BoardProfileError(ServiceError):
+    """The board profile a request named cannot be loaded; the message starts with
+    "field 'board': "."""
+
+    def __init__(self, message: str, *, board: str) -> None:
+        super().__init__(message)
+        self.board = board
+
+
+class UploadFailed(ServiceError):
+    """An upload could not be stored on the daemon's side (no space, no permission)."""

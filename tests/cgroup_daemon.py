@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -67,10 +68,18 @@ def main(argv: list[str]) -> int:
         raise SystemExit("usage: cgroup_daemon.py MOUNT OWN_GROUP -- ARGS...")
     kernel = LiveKernel(Path(mount))
     kernel.add_pid(own, os.getpid())
-    import edge_agent.daemon.memory_guard as guard
+    import edge_agent.daemon.app as app
     from edge_agent.cli import main as cli_main
 
-    guard.IO_FACTORY = lambda: kernel
+    class FakeKernelDaemon(app.Daemon):
+        """The daemon `serve` builds, with every cgroup file access through the fake kernel."""
+
+        def __init__(self, config: Any, **kw: Any) -> None:
+            super().__init__(config, cgroup_io=lambda: kernel, **kw)
+
+    # `serve` looks the class up when it runs; this launcher process is the test's composition
+    app.Daemon = FakeKernelDaemon  # type: ignore[misc]  # replacing a class on purpose, here only
+
     return cli_main(rest)
 
 

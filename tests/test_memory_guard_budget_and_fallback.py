@@ -1,6 +1,7 @@
-"""The memory guard, in process on a real Daemon object (no runner): the per-model budget
-includes the runner process, memory.events log lines are rate limited, and a PSI trigger the
-kernel refuses (EACCES before Linux 6.5) is explained correctly and replaced by polling."""
+"""The memory guard in process: the per-model budget includes the runner process (on a real
+Daemon object, no runner); on a guard over small fakes (tests/guard_host.py), memory.events log
+lines are rate limited, and a PSI trigger the kernel refuses (EACCES before Linux 6.5) is
+explained correctly and replaced by polling."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import errno
 from pathlib import Path
 
 import pytest
+from guard_host import make_guard
 
 import edge_agent.daemon.pressure_sources as sources_mod
 from edge_agent.cgroup import MemoryEvent, PressureWatcher
@@ -16,13 +18,6 @@ from edge_agent.cgroup.psi import _error, permission_hint
 from edge_agent.config import load_config
 from edge_agent.daemon.app import Daemon
 from edge_agent.scheduler import RUNNER_BASE_BYTES, model_budget_bytes
-
-
-def daemon(tmp_path: Path, env: dict[str, str] | None = None) -> Daemon:
-    config = load_config(None, env={}, check_paths=False, overrides={
-        "server.socket": str(tmp_path / "s.sock"), "server.state_dir": str(tmp_path / "state"),
-        "journal.enabled": False, "cgroup.enabled": False, "models.smollm2.context": 256})
-    return Daemon(config, env={"MEMORY_PRESSURE_WATCH": "/dev/null"} if env is None else env)
 
 
 def daemon_on(tmp_path: Path, engine: str) -> Daemon:
@@ -73,7 +68,7 @@ def _ev(key: str, delta: int, total: int, group: str = "smollm2") -> MemoryEvent
 
 def test_memory_events_are_logged_at_most_every_30_s(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
-    g = daemon(tmp_path).memory
+    g = make_guard(tmp_path, enabled=False)
     now = [1000.0]
     g.clock = lambda: now[0]
     g._record([_ev("high", 1, 1)])  # the first one is logged at once
@@ -126,8 +121,7 @@ def test_refused_trigger_falls_back_to_polling_avg10(
 
     monkeypatch.setattr(PressureWatcher, "_arm", refused)
     monkeypatch.setattr(sources_mod, "PSI_POLL_S", 0.02)
-    d = daemon(tmp_path, env={"MEMORY_PRESSURE_WATCH": str(psi)})
-    g = d.memory
+    g = make_guard(tmp_path, env={"MEMORY_PRESSURE_WATCH": str(psi)}, enabled=False)
 
     async def go() -> tuple[int, int]:
         g.start(asyncio.get_running_loop())

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 from cgroup_fake import FakeKernel, make_tree
+from guard_host import make_guard
 
-import edge_agent.daemon.memory_guard as guard_mod
 import edge_agent.daemon.pressure_sources as sources_mod
 from edge_agent.cgroup import PressureWatcher
-from edge_agent.config import load_config
-from edge_agent.daemon.app import Daemon
+from edge_agent.daemon.memory_guard import MemoryGuard
 
 OWN = "system.slice/edge-agent.service"
 PSI = Path("/proc/pressure/memory")
@@ -58,27 +57,21 @@ def need_real_files() -> None:
         pytest.skip(f"SKIPPED LOUDLY: cannot arm a 2 s trigger on {PSI} here: {exc}")
 
 
-def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: dict[str, Path]) -> Daemon:
+def setup(tmp_path: Path, links: dict[str, Path]) -> MemoryGuard:
     t = make_tree(tmp_path / "t", own=OWN, pids=(os.getpid(),))
     service = t.mount / OWN / "memory.pressure"
     service.unlink()
     service.symlink_to(READ_ONLY)
     kernel = LinkedKernel(t.mount, {f"{OWN}/{k}": v for k, v in links.items()})
-    monkeypatch.setattr(guard_mod, "IO_FACTORY", lambda: kernel)
-    config = load_config(None, env={}, check_paths=False, overrides={
-        "server.socket": str(tmp_path / "s.sock"), "server.state_dir": str(tmp_path / "state"),
-        "journal.enabled": False, "cgroup.proc_root": str(t.proc)})
-    return Daemon(config, env={})
+    return make_guard(tmp_path, env={}, io_factory=lambda: kernel, proc_root=str(t.proc))
 
 
 def test_refused_service_file_arms_triggers_on_the_groups_we_own(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], stderr_log: None) -> None:
     need_real_files()
     fifo = tmp_path / "models.fifo"  # stands in for models/ so the test can make it fire
     os.mkfifo(fifo)
-    d = setup(tmp_path, monkeypatch, {"supervisor": PSI, "models": fifo})
-    g = d.memory
+    g = setup(tmp_path, {"supervisor": PSI, "models": fifo})
 
     async def go() -> tuple[dict, dict]:
         g.start(asyncio.get_running_loop())
@@ -123,15 +116,14 @@ def test_refused_service_file_arms_triggers_on_the_groups_we_own(
     assert "polling" not in err
 
 
-def test_metrics_name_each_watched_file_and_its_kind(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_metrics_name_each_watched_file_and_its_kind(tmp_path: Path) -> None:
     need_real_files()
-    d = setup(tmp_path, monkeypatch, {"supervisor": PSI, "models": PSI})
+    g = setup(tmp_path, {"supervisor": PSI, "models": PSI})
 
     async def go() -> str:
-        d.memory.start(asyncio.get_running_loop())
-        text = d.memory.render_metrics()
-        d.memory.close()
+        g.start(asyncio.get_running_loop())
+        text = g.render_metrics()
+        g.close()
         return text
 
     text = asyncio.run(go())
@@ -164,8 +156,7 @@ def test_a_refused_leaf_is_polled_while_the_other_is_armed(
 
     monkeypatch.setattr(PressureWatcher, "_arm", arm)
     monkeypatch.setattr(sources_mod, "PSI_POLL_S", 0.02)
-    d = setup(tmp_path, monkeypatch, {"supervisor": sup, "models": fifo})
-    g = d.memory
+    g = setup(tmp_path, {"supervisor": sup, "models": fifo})
 
     async def go() -> dict:
         g.start(asyncio.get_running_loop())

@@ -58,3 +58,52 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("import asyncio\nfrom edge_agent.daemon import app\n")
     assert _imports(bad) == {"asyncio", "edge_agent.daemon"}
+
+
+# The composition root: the one module that knows the whole `Daemon` (collaborators get
+# protocols and callables). commands/serve.py runs it.
+COMPOSITION_ROOT = "edge_agent/daemon/app.py"
+RUNS_THE_ROOT = {"edge_agent/commands/serve.py"}
+# to narrow next: these still take the whole Daemon (TYPE_CHECKING imports included)
+DAEMON_USERS_TO_NARROW = {
+    "edge_agent/daemon/durable.py",
+    "edge_agent/daemon/ollama.py",
+    "edge_agent/daemon/routes.py",
+    "edge_agent/daemon/service.py",
+    "edge_agent/daemon/sessions.py",
+}
+
+
+def _imports_daemon_app(path: Path) -> bool:
+    """Whether the module imports edge_agent.daemon.app, in any form, anywhere in it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(
+                a.name == "edge_agent.daemon.app" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                node.module == "edge_agent.daemon.app" or (node.module == "edge_agent.daemon"
+                                                           and any(a.name == "app"
+                                                                   for a in node.names))):
+            return True
+    return False
+
+
+def test_only_the_composition_root_imports_the_daemon() -> None:
+    users = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "edge_agent").rglob("*.py"))
+             if _imports_daemon_app(p)}
+    allowed = {COMPOSITION_ROOT} | RUNS_THE_ROOT | DAEMON_USERS_TO_NARROW
+    assert users - allowed == set(), "collaborators get a Protocol or callables, not the Daemon"
+    assert DAEMON_USERS_TO_NARROW <= users, "narrowed: drop it from DAEMON_USERS_TO_NARROW"
+
+
+def test_the_daemon_check_sees_every_import_form(tmp_path: Path) -> None:
+    forms = ["import edge_agent.daemon.app\n", "from edge_agent.daemon.app import Daemon\n",
+             "from edge_agent.daemon import app\n",
+             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+             "    from edge_agent.daemon.app import Daemon\n"]
+    for i, text in enumerate(forms):
+        (tmp_path / f"m{i}.py").write_text(text)
+        assert _imports_daemon_app(tmp_path / f"m{i}.py"), text
+    (tmp_path / "ok.py").write_text("from edge_agent.daemon import memory_guard\n")
+    assert not _imports_daemon_app(tmp_path / "ok.py")

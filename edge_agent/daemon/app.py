@@ -44,10 +44,11 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from edge_agent.cgroup import CgroupIO
 from edge_agent.daemon import structured
 from edge_agent.daemon.durable import DaemonJournal
 from edge_agent.daemon.flashing import FlashService
@@ -58,7 +59,7 @@ from edge_agent.daemon.routes import Router
 from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
-from edge_agent.daemon.uart_backend import close_uarts, start_uarts
+from edge_agent.daemon.uart_backend import DaemonBackend, Uarts, serial_ports
 from edge_agent.errors import EXIT_ERROR, ConfigError, EdgeAgentError
 from edge_agent.journal import StateDirLock
 from edge_agent.protocol.api import ApiError, GenerationRequest
@@ -98,24 +99,38 @@ class _Router(Router):
 
 
 class Daemon:
-    def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ,
+                 cgroup_io: Callable[[], CgroupIO] = CgroupIO) -> None:
+        """`cgroup_io`: how cgroup files are accessed (tests pass a fake kernel's)."""
         self.config = config
         self.env = dict(env)
         self.state_dir = Path(config.server.state_dir)
         self.scheduler = Scheduler(config.scheduler)
         self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = Metrics()
-        self.memory = MemoryGuard(self)  # cgroup v2 groups, OOM kills, PSI stages
+        self.memory = MemoryGuard(  # cgroup v2 groups, OOM kills, PSI stages
+            config.cgroup, env=self.env, models=lambda: self.services,
+            queued=self.scheduler.queued, stopping=lambda: self.stopping,
+            shed=lambda rec, now, msg: self.fail_record(rec, now, 503, "memory_pressure", msg),
+            record_event=self._record_event, io_factory=cgroup_io)
         self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
         self.notifier = Notifier.from_env(self.env)
         self.journal = DaemonJournal(self)
         self.sessions = Sessions(self)  # `session` histories (daemon/sessions.py)
         self.stopping = False
-        self.uarts: list[Any] = []  # UartTransport per serial.port (daemon/uart_backend.py)
-        self.flash = FlashService(self)  # POST /v1/flash on owned ports (daemon/flashing.py)
-        self.ready = False
         self.started = time.monotonic()
+        self.uarts = Uarts(config.serial, serial_ports(config), DaemonBackend(  # the UART console
+            submit=self.submit, cancel=self.cancel, records=self.records, models=self.services,
+            state=self.status, queue=lambda: {"depth": self.scheduler.depth,
+                                              "queue_max": self.scheduler.config.queue_max},
+            last_flash=lambda: self.flash.newest(), started=self.started))
+        self.flash = FlashService(  # POST /v1/flash on owned ports (daemon/flashing.py)
+            self.state_dir, ports=[*config.flash.port_list(), *serial_ports(config)],
+            max_body_bytes=int(config.server.max_body_bytes), stopping=lambda: self.stopping,
+            store=lambda: self.journal.store.flash if self.journal.store is not None else None,
+            port_users=self.uarts)
+        self.ready = False
         self._exit = asyncio.Event()
         self._tick = asyncio.Event()
         self._settled = asyncio.Event()
@@ -131,6 +146,11 @@ class Daemon:
     # -- small services for the model loops and routes -----------------------------------------
     def request_exit(self) -> None:
         self._exit.set()
+
+    def _record_event(self, kind: str, message: str) -> None:
+        """An entry in the journal's event log, when the journal is open."""
+        if self.journal.store is not None:
+            self.journal.store.record_event(kind, message)
 
     def status(self) -> str:
         """What /health and the UART `status` say the daemon is doing."""
@@ -402,7 +422,7 @@ class Daemon:
             bound = await self.http.listen_tcp(host or "127.0.0.1", int(port))
             where.append(f"tcp {host or '127.0.0.1'}:{bound}")
         log.info(f"listening on {', '.join(where)}")
-        self.uarts = await start_uarts(self)
+        await self.uarts.start()
         for svc in self.services.values():
             self._start_model_task(svc)
         preload = [s for s in self.services.values() if s.entry.preload]
@@ -587,7 +607,7 @@ class Daemon:
             await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic())
                                    + ANSWER_GRACE_S + 1.0)
         await self.flash.wait(max(1.0, deadline - time.monotonic()))
-        await close_uarts(self.uarts)
+        await self.uarts.close()
         for svc in self.services.values():
             svc.poke()
             if svc.task is not None:

@@ -21,6 +21,12 @@ Invariants owned here:
   board and port is continued with resume): its sectors follow the flasher's own per-sector
   progress file, forward only, and all become `verified` when the job succeeds. Without the
   journal, jobs live in memory only (the flasher's progress file still allows --resume).
+- `FlashService` gets only what it uses (the composition root, daemon/app.py, wires it): the
+  state directory, the owned ports, the body limit, `stopping`, the journal's flash store when
+  open, and the UART transports to pause (`PortUsers`). Refusals are domain errors
+  (edge_agent/errors.py: ShuttingDown, PortNotOwned, FlashBusy, FlashJobNotFound,
+  BoardProfileError, UploadFailed) that the edges map; only `parse_flash_request`, the parser
+  of the HTTP body, speaks in ApiError 400/413 as protocol/api.py's parsers do.
 """
 
 from __future__ import annotations
@@ -35,18 +41,26 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from edge_agent.errors import (
+    BoardProfileError,
+    FlashBusy,
+    FlashJobNotFound,
+    PortNotOwned,
+    ShuttingDown,
+    UploadFailed,
+)
 from edge_agent.protocol.api import ApiError
 from edge_agent.protocol.api import field_error as _bad
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
+    from edge_agent.journal.flashjobs import FlashJobs
 
-__all__ = ["FlashService", "FlashJobRecord", "parse_flash_request", "FlashRequest"]
+__all__ = ["FlashService", "FlashJobRecord", "parse_flash_request", "FlashRequest", "PortUsers"]
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +209,27 @@ class FlashJobRecord:
                 "journal_id": self.journal_id}
 
 
+class PortUsers(Protocol):
+    """What else holds the daemon's ports (daemon/uart_backend.py's `Uarts`): a flash job
+    pauses the users of its board and resumes them after, whatever the outcome."""
+
+    async def pause(self, same_board: Callable[[str], bool]) -> Sequence[Any]: ...
+
+    async def resume(self, paused: Sequence[Any]) -> None: ...
+
+
 class FlashService:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, state_dir: Path, *, ports: Sequence[str], max_body_bytes: int,
+                 stopping: Callable[[], bool], store: Callable[[], FlashJobs | None],
+                 port_users: PortUsers) -> None:
+        """`ports`: the owned ports (flash.ports, then serial.port); `store()`: the journal's
+        flash jobs while the journal is open, else None."""
+        self.state_dir = state_dir
+        self.ports = list(dict.fromkeys(ports))
+        self.max_body_bytes = max_body_bytes
+        self.stopping = stopping
+        self.store = store
+        self.port_users = port_users
         self.jobs: OrderedDict[str, FlashJobRecord] = OrderedDict()
         self._busy: dict[str, str] = {}  # port identity -> job id
         self._ids = itertools.count(1)
@@ -206,15 +238,11 @@ class FlashService:
 
     @property
     def uploads(self) -> Path:
-        return self.d.state_dir / "flash" / "uploads"
+        return self.state_dir / "flash" / "uploads"
 
     # -- ownership ---------------------------------------------------------------------------
     def owned_ports(self) -> list[str]:
-        from edge_agent.daemon.uart_backend import serial_ports
-
-        flash_cfg = getattr(self.d.config, "flash", None)
-        extra = flash_cfg.port_list() if flash_cfg is not None else []
-        return list(dict.fromkeys([*extra, *serial_ports(self.d.config)]))
+        return list(self.ports)
 
     def owns(self, port: str) -> bool:
         """Exactly one of the configured strings: no option or knob may be added to it."""
@@ -229,7 +257,7 @@ class FlashService:
 
     def ports_info(self, port: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"ports": self.owned_ports(),
-                               "max_body_bytes": int(self.d.config.server.max_body_bytes),
+                               "max_body_bytes": self.max_body_bytes,
                                "max_elf_bytes": upload_limit()[0]}
         if port is not None:
             out["port"] = port
@@ -242,10 +270,18 @@ class FlashService:
     def get(self, jid: str) -> FlashJobRecord:
         job = self.jobs.get(jid)
         if job is None:
-            raise ApiError(404, "flash_job_not_found", f"no flash job with id {jid!r} (unknown, "
-                           "or forgotten after it finished). Hint: use the id POST /v1/flash "
-                           "returned.")
+            raise FlashJobNotFound(f"no flash job with id {jid!r} (unknown, or forgotten after "
+                                   "it finished). Hint: use the id POST /v1/flash returned.",
+                                   job_id=jid)
         return job
+
+    def newest(self) -> dict[str, Any] | None:
+        """A summary of the newest job (the UART `status`), or None."""
+        if not self.jobs:
+            return None
+        job = next(reversed(self.jobs.values())).to_dict()
+        keep = ("id", "board", "port", "state", "phase", "progress", "error")
+        return {k: job.get(k) for k in keep if job.get(k) is not None}
 
     def parse(self, body: bytes) -> FlashRequest:
         """parse_flash_request with the board names and upload limit of this moment."""
@@ -260,29 +296,31 @@ class FlashService:
         from firmware_tools.flasher import port_identity
         from firmware_tools.profiles import load_profile, profile_dir
 
-        if self.d.stopping:
-            raise ApiError(503, "shutting_down", "the daemon is shutting down. Hint: retry when "
-                           "it is back, or flash directly.", headers=[("retry-after", "5")])
+        if self.stopping():
+            raise ShuttingDown("the daemon is shutting down. Hint: retry when it is back, or "
+                               "flash directly.", retry_after_s=5)
         if not self.owns(req.port):
             owned = self.owned_ports()
             same = self.same_board_as(req.port)
             why = (f"; it names the board of owned port {same!r} with other options, and a "
                    "request may not change an owned port's options" if same else "")
-            raise ApiError(409, "port_not_owned", f"port {req.port!r} is not one the daemon "
-                           f"owns (owned, compared as exact strings: "
-                           f"{', '.join(repr(p) for p in owned) or 'none'}){why}. Hint: send "
-                           "one of the owned ports exactly as listed, flash other ports "
-                           "directly (edge-agent flash --local), or add the port to "
-                           "flash.ports in the daemon's configuration.")
+            raise PortNotOwned(f"port {req.port!r} is not one the daemon owns (owned, compared "
+                               f"as exact strings: {', '.join(repr(p) for p in owned) or 'none'})"
+                               f"{why}. Hint: send one of the owned ports exactly as listed, "
+                               "flash other ports directly (edge-agent flash --local), or add "
+                               "the port to flash.ports in the daemon's configuration.",
+                               port=req.port, same_board_as=same)
         ident = port_identity(req.port)
         if ident in self._busy:
-            raise ApiError(409, "port_busy", f"port {req.port!r} is busy with flash job "
-                           f"{self._busy[ident]}. Hint: wait for it (GET /v1/flash/"
-                           f"{self._busy[ident]}), then retry.", headers=[("retry-after", "5")])
+            busy = self._busy[ident]
+            raise FlashBusy(f"port {req.port!r} is busy with flash job {busy}. Hint: wait for it "
+                            f"(GET /v1/flash/{busy}), then retry.", port=req.port, job_id=busy,
+                            retry_after_s=5)
         try:  # a name parse_flash_request found in list_profiles(): never a path of the request
             profile = load_profile(profile_dir() / f"{req.board}.toml")
         except (FirmwareError, OSError) as exc:
-            raise _bad("board", str(exc), "fix the profile file, or use another board") from exc
+            raise BoardProfileError(f"field 'board': {exc}. Hint: fix the profile file, or use "
+                                    "another board", board=req.board) from exc
         jid = f"flash-{next(self._ids)}-{int(time.time())}"
         upload = self._write_upload(jid, req.elf_bytes)
         try:
@@ -317,9 +355,9 @@ class FlashService:
                 path.unlink(missing_ok=True)
                 raise
         except OSError as exc:
-            raise ApiError(507, "upload_failed", f"cannot store the {len(data)}-byte ELF in "
-                           f"{self.uploads} ({exc.strerror or exc}). Hint: free space in the "
-                           "daemon's state directory (server.state_dir), then retry.") from exc
+            raise UploadFailed(f"cannot store the {len(data)}-byte ELF in {self.uploads} "
+                               f"({exc.strerror or exc}). Hint: free space in the daemon's state "
+                               "directory (server.state_dir), then retry.") from exc
         return path
 
     def _remove_upload(self, path: Path) -> None:
@@ -355,13 +393,13 @@ class FlashService:
     async def _run(self, job: FlashJobRecord, req: FlashRequest, profile: Any,
                    ident: str) -> None:
         loop = asyncio.get_running_loop()
-        paused: list[Any] = []
+        paused: Sequence[Any] = ()
         try:
             paused = await self._pause_uart(ident)
             job.state = "running"
             self._touch(job)
             await self._journal_start(job, profile, req.resume)
-            state_dir = self.d.state_dir
+            state_dir = self.state_dir
 
             def progress(done: int, total: int, phase: str = "") -> None:
                 loop.call_soon_threadsafe(self._progress, job, done, total, phase)
@@ -421,10 +459,8 @@ class FlashService:
         job.changed = asyncio.Event()
 
     # -- journal -------------------------------------------------------------------------------
-    def _flash_store(self) -> Any:
-        journal = getattr(self.d, "journal", None)
-        store = getattr(journal, "store", None)
-        return getattr(store, "flash", None)
+    def _flash_store(self) -> FlashJobs | None:
+        return self.store()
 
     async def _journal_start(self, job: FlashJobRecord, profile: Any, resume: bool) -> None:
         store = self._flash_store()
@@ -466,7 +502,7 @@ class FlashService:
 
         if job.elf_sha256 is None:
             return
-        path = journal_path(self.d.state_dir, job.elf_sha256, profile.name, job.port)
+        path = journal_path(self.state_dir, job.elf_sha256, profile.name, job.port)
         with contextlib.suppress(OSError, ValueError):
             sectors = json.loads(path.read_text()).get("sectors", {})
             for state in ("erased", "written", "verified"):
@@ -476,33 +512,11 @@ class FlashService:
                         store.mark(job.journal_id, picked, state)
 
     # -- the UART transport on the same port ----------------------------------------------------
-    async def _pause_uart(self, ident: str) -> list[Any]:
+    async def _pause_uart(self, ident: str) -> Sequence[Any]:
         from firmware_tools.flasher import port_identity
 
-        paused = []
-        for t in list(getattr(self.d, "uarts", [])):
-            settings = getattr(getattr(t, "link", None), "settings", None)
-            if settings is not None and port_identity(settings.url) == ident:
-                log.info(f"flash: closing the UART transport on {settings.url} for the job")
-                await t.close()
-                self.d.uarts.remove(t)
-                paused.append(settings)
-        return paused
+        return await self.port_users.pause(lambda url: port_identity(url) == ident)
 
-    async def _resume_uart(self, paused: list[Any]) -> None:
-        if not paused or self.d.stopping:
-            return
-        from edge_agent.daemon.uart_backend import DaemonBackend
-        from edge_agent.transports.uart import UartTransport
-
-        cfg = self.d.config.serial
-        for settings in paused:
-            t = UartTransport(settings, DaemonBackend(self.d), echo=cfg.echo,
-                              max_line=cfg.max_line, mode=cfg.mode)
-            try:
-                await t.start()
-            except Exception as exc:  # noqa: BLE001 - the daemon keeps running without it
-                log.warning(f"UART transport on {settings.url} did not restart after "
-                            f"flashing: {exc}")
-                continue
-            self.d.uarts.append(t)
+    async def _resume_uart(self, paused: Sequence[Any]) -> None:
+        if paused and not self.stopping():
+            await self.port_users.resume(paused)

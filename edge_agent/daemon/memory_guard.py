@@ -6,7 +6,12 @@ Invariants owned here:
   itself into supervisor/). Without a usable subtree nothing is written; budgets are enforced by
   accounting alone and /health says what is missing and how to fix it. Only `start()` raises
   (ConfigError: a bad $MEMORY_PRESSURE_WRITE); later cgroup failures become warnings in /health
-  and the log, and the only exception is `check_admission`'s ApiError (the 503).
+  and the log, and the only exception is `check_admission`'s AdmissionRefused (a domain error
+  with `retry_after_s`; the HTTP and UART edges map it to 503 / `memory_pressure`).
+- The guard sees the daemon through what its constructor is given (the composition root,
+  daemon/app.py, wires them): the cgroup configuration, the environment, the model services as
+  `GuardedModel`s, the queue depth per model, `shed` (fail one running request), `stopping`
+  and `record_event` (the journal's event log); cgroup files are accessed through `io_factory`.
 - models/<name>/ is created with the policy's limits (from the model's computed budget) and its
   memory.events watched before the runner is spawned; the runner is attached right after the
   spawn (`runner_hook`). After the runner is reaped (death, unload, failed load) memory.events is
@@ -36,9 +41,9 @@ import logging
 import sqlite3
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edge_agent.cgroup import (
     CgroupError,
@@ -56,28 +61,61 @@ from edge_agent.cgroup import (
 from edge_agent.cgroup.fs import MODELS, SUPERVISOR
 from edge_agent.cgroup.stages import STAGE_NAMES
 from edge_agent.daemon.pressure_sources import PressureSources
-from edge_agent.errors import EdgeAgentError
-from edge_agent.protocol.api import ApiError
-from edge_agent.scheduler import ModelState
+from edge_agent.errors import AdmissionRefused, EdgeAgentError
+from edge_agent.scheduler import ModelLifecycle, ModelState
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
+    from edge_agent.config import CgroupConfig
+    from edge_agent.daemon.requests import RequestRecord
 
-__all__ = ["MemoryGuard", "IO_FACTORY"]
+__all__ = ["MemoryGuard", "GuardedModel"]
 
 log = logging.getLogger(__name__)
 
-# How cgroup files are accessed. Tests that run the daemon on a temporary tree replace it.
-IO_FACTORY: Callable[[], CgroupIO] = CgroupIO
 EVENTS_POLL_S = 1.0  # memory.events poll period when inotify is unavailable
 EVENT_LOG_INTERVAL_S = 30.0  # at most one log line per group and key (high/max/oom) this often
 LOGGED_KEYS = ("high", "max", "oom")
 
 
+class GuardedModel(Protocol):
+    """What the guard reads and asks of one model service (daemon/service.py)."""
+
+    unload_requested: bool  # set: the model loop unloads the model when it is idle
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def lifecycle(self) -> ModelLifecycle: ...
+
+    @property
+    def active(self) -> Mapping[str, RequestRecord]: ...  # running requests by id
+
+    def poke(self) -> None: ...  # wake the model loop: limits changed, a request ended
+
+
 class MemoryGuard:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.cfg = daemon.config.cgroup
+    def __init__(self, cfg: CgroupConfig, *, env: Mapping[str, str],
+                 models: Callable[[], Mapping[str, GuardedModel]],
+                 queued: Callable[[str], int],
+                 shed: Callable[[RequestRecord, float, str], None],
+                 stopping: Callable[[], bool],
+                 record_event: Callable[[str, str], None],
+                 io_factory: Callable[[], CgroupIO] = CgroupIO) -> None:
+        """`models()`: the model services by name; `queued(name)`: requests waiting for one;
+        `shed(rec, now, message)`: fail a running request for memory pressure;
+        `record_event(kind, message)`: the journal's event log (may raise, is suppressed)."""
+        self.cfg = cfg
+        self.env = env
+        self.models = models
+        self.queued = queued
+        self.shed_request = shed
+        self.stopping = stopping
+        self.record_event = record_event
+        self.io_factory = io_factory
         self.policy = load_policy(self.cfg.policy)  # ConfigError (exit 78) naming file and key
         self.stages = Stages(self.policy.pressure.stages)
         self.mgr: CgroupManager | None = None
@@ -85,7 +123,7 @@ class MemoryGuard:
         self.events: EventsWatcher | None = None
         self.pressure_file: Path | None = None  # the service's memory.pressure (detection)
         self.psi = PressureSources(self.policy.pressure.trigger, on_hit=self._pressure_hit,
-                                   stopping=lambda: daemon.stopping)
+                                   stopping=stopping)
         self.oom_kills: dict[str, int] = defaultdict(int)
         self.memory_events: dict[tuple[str, str], int] = defaultdict(int)
         self.transitions: dict[tuple[int, int], int] = defaultdict(int)
@@ -107,7 +145,7 @@ class MemoryGuard:
             self.status = Status(False, "disabled by configuration (cgroup.enabled = false)",
                                  "set cgroup.enabled = true", policy=self.policy.name)
         else:
-            root = CgroupRoot(proc=Path(self.cfg.proc_root or "/proc"), io=IO_FACTORY())
+            root = CgroupRoot(proc=Path(self.cfg.proc_root or "/proc"), io=self.io_factory())
             self.mgr = CgroupManager.detect(root)
             self.status = self.mgr.setup(self.policy)
             self.pressure_file = self.mgr.detection.pressure_file
@@ -133,7 +171,7 @@ class MemoryGuard:
         if self.mgr is not None and self.mgr.available:
             leaves = [(leaf, self.mgr.file(leaf, name="memory.pressure"))
                       for leaf in (SUPERVISOR, MODELS)]
-        self.psi.start(loop, self.d.env, self.pressure_file, leaves)
+        self.psi.start(loop, self.env, self.pressure_file, leaves)
 
     def close(self) -> None:
         """At exit, after every runner is reaped: remove our groups and stop watching."""
@@ -280,7 +318,7 @@ class MemoryGuard:
             self._later("release", max(0.01, at - now + 0.01), self._tick)
 
     def _later(self, key: str, delay: float, fn: Callable[[], None]) -> None:
-        if self._loop is None or self.d.stopping:
+        if self._loop is None or self.stopping():
             return
         old = self._timers.pop(key, None)
         if old is not None:
@@ -291,15 +329,15 @@ class MemoryGuard:
         self.transitions[(t.from_stage, t.to_stage)] += 1
         log.log(logging.WARNING if t.to_stage > t.from_stage else logging.INFO, t.describe())
         self._journal("memory_pressure", t.describe())
-        for svc in self.d.services.values():
+        for svc in self.models().values():
             svc.poke()  # batch limits changed
 
     def _act(self, now: float, *, escalated: bool) -> None:
         a = self.stages.actions
         if a.unload_idle:
-            for svc in self.d.services.values():
+            for svc in self.models().values():
                 if (svc.lifecycle.state is ModelState.IDLE and not svc.active
-                        and self.d.scheduler.queued(svc.name) == 0):
+                        and self.queued(svc.name) == 0):
                     log.warning(f"memory pressure: unloading idle model {svc.name}")
                     svc.unload_requested = True
                     svc.poke()
@@ -310,7 +348,8 @@ class MemoryGuard:
             self._cancel_lowest(now)
 
     def _cancel_lowest(self, now: float) -> None:
-        running = [rec for svc in self.d.services.values() for rec in svc.active.values()
+        models = self.models()
+        running = [rec for svc in models.values() for rec in svc.active.values()
                    if not rec.done.is_set()]
         if not running:
             return
@@ -325,10 +364,10 @@ class MemoryGuard:
                    "running requests so the kernel does not have to kill a runner. Hint: retry "
                    "later, or send it with a higher priority.")
             self.shed[rec.model] += 1
-            self.d.fail_record(rec, now, 503, "memory_pressure", msg)
+            self.shed_request(rec, now, msg)
             log.warning(msg)
             self._journal("memory_pressure", msg)
-            svc = self.d.services.get(rec.model)
+            svc = models.get(rec.model)
             if svc is not None:
                 svc.poke()
 
@@ -339,11 +378,11 @@ class MemoryGuard:
     def check_admission(self) -> None:
         a = self.stages.actions
         if not a.admit:
-            raise ApiError(503, "memory_pressure", f"not admitting new requests: memory pressure "
-                           f"stage {self.stages.stage} ({self.stages.name}). Hint: retry after "
-                           f"{a.retry_after_s} s; stages release when pressure stays low for "
-                           f"{self.stages.config.hold_s:g} s.",
-                           headers=[("retry-after", str(a.retry_after_s))])
+            raise AdmissionRefused(
+                f"not admitting new requests: memory pressure stage {self.stages.stage} "
+                f"({self.stages.name}). Hint: retry after {a.retry_after_s} s; stages release "
+                f"when pressure stays low for {self.stages.config.hold_s:g} s.",
+                retry_after_s=a.retry_after_s, stage=self.stages.stage)
 
     def service_memory_max(self) -> int | None:
         """memory.max of the service's cgroup (our delegated group), when managed and limited."""
@@ -365,7 +404,7 @@ class MemoryGuard:
         out["service_memory_max"] = self.service_memory_max()
         if self.mgr is not None:
             out["detection"] = self.mgr.detection.to_dict()
-        out["oom_kills"] = {n: self.model_dict(n)["oom_kills"] for n in self.d.services}
+        out["oom_kills"] = {n: self.model_dict(n)["oom_kills"] for n in self.models()}
         return out
 
     def pressure_dict(self) -> dict[str, Any]:
@@ -374,7 +413,7 @@ class MemoryGuard:
         out.update(trigger=str(self.policy.pressure.trigger),
                    retry_after_s=self.stages.actions.retry_after_s,
                    batch_limits={n: self.batch_limit(s.max_batch)
-                                 for n, s in self.d.services.items()})
+                                 for n, s in self.models().items()})
         return out
 
     def render_metrics(self) -> str:
@@ -389,9 +428,5 @@ class MemoryGuard:
         log.warning(f"cgroup v2: {text}")
 
     def _journal(self, kind: str, message: str) -> None:
-        store = getattr(getattr(self.d, "journal", None), "store", None)  # DaemonJournal
-        record = getattr(store, "record_event", None)
-        if record is None:
-            return
         with contextlib.suppress(EdgeAgentError, sqlite3.Error, OSError):
-            record(kind, message)
+            self.record_event(kind, message)

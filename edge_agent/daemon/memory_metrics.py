@@ -33,7 +33,7 @@ def render(g: MemoryGuard) -> str:
         lines.append(f'edge_agent_memory_pressure_transitions_total{{from="{a}",to="{b}"}} {n}')
     family("edge_agent_oom_kills_total", "counter", "Runner deaths attributed to the kernel's "
            "OOM killer (oom_kill / oom_group_kill in the model group's memory.events).")
-    for name in g.d.services:
+    for name in g.models():
         lines.append(f'edge_agent_oom_kills_total{{model="{name}"}} '
                      f'{g.model_dict(name)["oom_kills"]}')
     family("edge_agent_cgroup_memory_events_total", "counter",
@@ -43,7 +43,7 @@ def render(g: MemoryGuard) -> str:
                      f" {n}")
     family("edge_agent_requests_shed_total", "counter",
            "Running requests cancelled at pressure stage 3.")
-    for name in g.d.services:
+    for name in g.models():
         lines.append(f'edge_agent_requests_shed_total{{model="{name}"}} {g.shed[name]}')
     family("edge_agent_cgroup_managed", "gauge", "1 when the cgroup v2 layout is managed.")
     lines.append(f"edge_agent_cgroup_managed {int(bool(g.mgr and g.mgr.available))}")

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from edge_agent.daemon import structured
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import EdgeAgentError, ServiceError
 from edge_agent.protocol.api import (
     MAX_TOKENS_LIMIT,
     SSE_DONE,
     ApiError,
+    api_error,
     chat_logprobs,
     check_query,
     completion_chunk,
@@ -139,10 +140,11 @@ class Router:
                            "see GET /health, /metrics, /v1/models, /v1/models/{id}, POST "
                            "/v1/completions, /v1/chat/completions, /v1/requests, /tokenize, "
                            "/detokenize (docs/api.md).")
-        except ApiError as exc:
+        except (ApiError, ServiceError) as exc:
+            err = exc if isinstance(exc, ApiError) else api_error(exc)  # a domain error's status
             if is_ollama_path(path):  # Ollama's shape: {"error": message}
-                return Response(exc.status, ollama_error_body(exc.message), headers=exc.headers)
-            return Response(exc.status, exc.body(), headers=exc.headers)
+                return Response(err.status, ollama_error_body(err.message), headers=err.headers)
+            return Response(err.status, err.body(), headers=err.headers)
         except EdgeAgentError as exc:
             if is_ollama_path(path):
                 return Response(503, ollama_error_body(str(exc)))

@@ -1,23 +1,37 @@
-"""The UART transports' view of the daemon: a `Backend` over `Daemon`, and starting the ports.
+"""The UART transports' view of the daemon: a `Backend` over the daemon's operations, the one
+mapping of domain errors to UART error codes, and the transports of `serial.port` (`Uarts`).
 
 Invariants owned here:
+- `DaemonBackend` gets only what it uses (the composition root, daemon/app.py, wires it):
+  `submit`, `cancel`, the request records, the model services (`ConsoleModel`), the daemon's
+  state, the queue's depth and the newest flash job.
 - A UART request is validated by the same `parse_generation` and submitted through the same
   `Daemon.submit` as an HTTP one: same scheduler, priorities, deadlines, queue limit, records.
+- A domain error (edge_agent/errors.py `ServiceError`) becomes a `BackendError` here only
+  (`backend_error`, codes from UART_CODES: the same words as the HTTP API's `code`).
 - `events(id, from)` is `RequestRecord.follow(from)`: token indices are the same ones
   `GET /v1/requests/{id}/events?from=N` uses, so RESUME after a line drop loses nothing the
   daemon still holds (`scheduler.keep_finished` finished requests).
 - A UART port that cannot open yet does not stop the daemon (it is retried with backoff); a port
-  setting that can never work is a ConfigError (exit 78) at startup.
+  setting that can never work is a ConfigError (exit 78) at startup. A transport paused for a
+  flash job (`Uarts.pause`) is started again by `Uarts.resume`, whatever the job's outcome.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from edge_agent.protocol.api import MAX_TOKENS_LIMIT, ApiError, parse_generation
+from edge_agent.errors import (
+    AdmissionRefused,
+    ModelNotFound,
+    ServiceError,
+    ShuttingDown,
+)
+from edge_agent.protocol.api import MAX_TOKENS_LIMIT, ApiError, GenerationRequest, parse_generation
+from edge_agent.transports.backend import Backend
 from edge_agent.transports.serial_link import LinkSettings
 from edge_agent.transports.uart import (
     BackendError,
@@ -30,16 +44,66 @@ from edge_agent.transports.uart import (
 )
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
+    from edge_agent.config import SerialConfig
+    from edge_agent.daemon.requests import RequestRecord
+    from edge_agent.scheduler import ModelLifecycle
 
-__all__ = ["DaemonBackend", "start_uarts", "close_uarts", "serial_ports"]
+__all__ = ["DaemonBackend", "ConsoleModel", "Uarts", "UART_CODES", "backend_error",
+           "serial_ports"]
 
 log = logging.getLogger(__name__)
 
+# The one place the daemon's domain errors (edge_agent/errors.py) get a UART error code;
+# protocol/api.py's HTTP_ERRORS is the HTTP counterpart (same words as its `code`).
+UART_CODES: dict[type[ServiceError], str] = {
+    ShuttingDown: "shutting_down",
+    AdmissionRefused: "memory_pressure",
+    ModelNotFound: "model_not_found",
+}
+
+
+def backend_error(exc: ServiceError) -> BackendError:
+    """The UART answer to a domain error: the code of its nearest class in UART_CODES
+    (`unavailable` if none) and its message as is."""
+    code = next((UART_CODES[c] for c in type(exc).__mro__ if c in UART_CODES), "unavailable")
+    return BackendError(code, exc.message)
+
+
+class ConsoleModel(Protocol):
+    """What the console reads and asks of one model service (daemon/service.py)."""
+
+    @property
+    def lifecycle(self) -> ModelLifecycle: ...
+
+    @property
+    def context(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    async def load_and_wait(self) -> str | None: ...  # None, or why the load failed
+
+    async def unload_and_wait(self) -> None: ...
+
 
 class DaemonBackend:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, *, submit: Callable[[GenerationRequest], RequestRecord],
+                 cancel: Callable[[str, str], object], records: Mapping[str, RequestRecord],
+                 models: Mapping[str, ConsoleModel], state: Callable[[], str],
+                 queue: Callable[[], dict[str, int]],
+                 last_flash: Callable[[], dict[str, Any] | None],
+                 started: float) -> None:
+        """`submit` / `cancel(id, why)`: the daemon's request operations; `records`: requests by
+        id; `models`: services by name; `state()`: loading / serving / stopping; `queue()`:
+        depth and queue_max; `last_flash()`: the newest flash job's summary or None."""
+        self._submit = submit
+        self._cancel = cancel
+        self.records = records
+        self.services = models
+        self.state = state
+        self.queue = queue
+        self.last_flash = last_flash
+        self.started = started
 
     def submit(self, prompt: str | Sequence[Mapping[str, str]], params: GenParams,
                priority: int | None, timeout_ms: int | None, session: str) -> str:
@@ -55,14 +119,16 @@ class DaemonBackend:
                 body[key] = value
         try:
             greq = parse_generation(body, chat=None, max_tokens_limit=MAX_TOKENS_LIMIT)
-            rec = self.d.submit(greq)
-        except ApiError as exc:
+            rec = self._submit(greq)
+        except ServiceError as exc:
+            raise backend_error(exc) from exc
+        except ApiError as exc:  # a bad request, or a refusal the submit path words for HTTP
             raise BackendError(exc.code, exc.message) from exc
         log.info(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
         return rec.id
 
     async def events(self, request_id: str, from_index: int = 0) -> AsyncIterator[StreamEvent]:
-        rec = self.d.records.get(request_id)
+        rec = self.records.get(request_id)
         if rec is None:
             yield Failed("not_found", f"request {request_id} is unknown or forgotten. Hint: "
                          "the daemon keeps scheduler.keep_finished finished requests.")
@@ -76,41 +142,31 @@ class DaemonBackend:
             yield Done(rec.finish_reason or "stop", len(rec.tokens))
 
     def cancel(self, request_id: str) -> bool:
-        rec = self.d.records.get(request_id)
+        rec = self.records.get(request_id)
         if rec is None or rec.done.is_set():
             return False
-        self.d.cancel(request_id, why="cancelled on the serial console / by the MCU")
+        self._cancel(request_id, "cancelled on the serial console / by the MCU")
         return True
 
     def status(self) -> dict[str, Any]:
-        d = self.d
         return {
-            "state": d.status(),
-            "uptime_s": round(time.monotonic() - d.started, 1),
-            "models": {n: s.lifecycle.state.value for n, s in d.services.items()},
-            "queue": {"depth": d.scheduler.depth, "queue_max": d.scheduler.config.queue_max},
-            "flash": self._last_flash(),
+            "state": self.state(),
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "models": {n: s.lifecycle.state.value for n, s in self.services.items()},
+            "queue": self.queue(),
+            "flash": self.last_flash(),
         }
-
-    def _last_flash(self) -> dict[str, Any] | None:
-        """The newest flash job the daemon ran (daemon/flashing.py), or None."""
-        jobs = getattr(getattr(self.d, "flash", None), "jobs", None)
-        if not jobs:
-            return None
-        job = next(reversed(jobs.values())).to_dict()
-        keep = ("id", "board", "port", "state", "phase", "progress", "error")
-        return {k: job.get(k) for k in keep if job.get(k) is not None}
 
     def models(self) -> list[dict[str, Any]]:
         return [{"name": n, "state": s.lifecycle.state.value, "context": s.context,
-                 "max_batch": s.max_batch} for n, s in self.d.services.items()]
+                 "max_batch": s.max_batch} for n, s in self.services.items()]
 
-    def _service(self, name: str) -> Any:
-        svc = self.d.services.get(name)
+    def _service(self, name: str) -> ConsoleModel:
+        svc = self.services.get(name)
         if svc is None:
-            raise BackendError("model_not_found", f"no model named {name!r} (registered: "
-                               f"{', '.join(sorted(self.d.services))}). Hint: `models` lists "
-                               "them.")
+            raise backend_error(ModelNotFound(
+                f"no model named {name!r} (registered: {', '.join(sorted(self.services))}). "
+                "Hint: `models` lists them.", name=name))
         return svc
 
     async def load(self, name: str) -> str:
@@ -128,7 +184,7 @@ class DaemonBackend:
     def jobs(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         out = []
-        for rec in self.d.records.values():
+        for rec in self.records.values():
             if rec.done.is_set():
                 continue
             job = rec.job
@@ -143,26 +199,60 @@ def serial_ports(config: Any) -> list[str]:
     return [p.strip() for p in str(config.serial.port or "").split(",") if p.strip()]
 
 
-async def start_uarts(daemon: Daemon) -> list[UartTransport]:
-    cfg = daemon.config.serial
-    backend = DaemonBackend(daemon)
-    started: list[UartTransport] = []
-    for url in serial_ports(daemon.config):
-        settings = LinkSettings(url, baudrate=cfg.baudrate, parity=cfg.parity,
-                                stopbits=cfg.stopbits, rtscts=cfg.rtscts)
-        t = UartTransport(settings, backend, echo=cfg.echo, max_line=cfg.max_line,
-                          mode=cfg.mode)
-        try:
-            await t.start()
-        except BaseException:
-            await close_uarts(started + [t])
-            raise
-        started.append(t)
-        log.info(f"serial {url}: {'open' if t.link.up else 'not present yet, retrying'} "
-                 f"({settings.baudrate} baud, {t.session.mode} mode)")
-    return started
+class Uarts:
+    """The UART transports of `serial.port` (one per port), all over one backend."""
 
+    def __init__(self, cfg: SerialConfig, ports: Sequence[str], backend: Backend) -> None:
+        self.cfg = cfg
+        self.ports = list(ports)
+        self.backend = backend
+        self.transports: list[UartTransport] = []
 
-async def close_uarts(uarts: Sequence[UartTransport]) -> None:
-    for t in uarts:
-        await t.close()
+    def _transport(self, settings: LinkSettings) -> UartTransport:
+        return UartTransport(settings, self.backend, echo=self.cfg.echo,
+                             max_line=self.cfg.max_line, mode=self.cfg.mode)
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        for url in self.ports:
+            settings = LinkSettings(url, baudrate=cfg.baudrate, parity=cfg.parity,
+                                    stopbits=cfg.stopbits, rtscts=cfg.rtscts)
+            t = self._transport(settings)
+            try:
+                await t.start()
+            except BaseException:
+                self.transports.append(t)
+                await self.close()
+                raise
+            self.transports.append(t)
+            log.info(f"serial {url}: {'open' if t.link.up else 'not present yet, retrying'} "
+                     f"({settings.baudrate} baud, {t.session.mode} mode)")
+
+    async def close(self) -> None:
+        transports, self.transports = self.transports, []
+        for t in transports:
+            await t.close()
+
+    async def pause(self, same_board: Callable[[str], bool]) -> list[LinkSettings]:
+        """Close the transports on ports `same_board(url)` accepts (a flash job takes the
+        board); what `resume` needs to start them again."""
+        paused = []
+        for t in list(self.transports):
+            settings = t.link.settings
+            if same_board(settings.url):
+                log.info(f"flash: closing the UART transport on {settings.url} for the job")
+                await t.close()
+                self.transports.remove(t)
+                paused.append(settings)
+        return paused
+
+    async def resume(self, paused: Sequence[LinkSettings]) -> None:
+        for settings in paused:
+            t = self._transport(settings)
+            try:
+                await t.start()
+            except Exception as exc:  # noqa: BLE001 - the daemon keeps running without it
+                log.warning(f"UART transport on {settings.url} did not restart after "
+                            f"flashing: {exc}")
+                continue
+            self.transports.append(t)

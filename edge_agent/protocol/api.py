@@ -36,11 +36,24 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import (
+    AdmissionRefused,
+    BoardProfileError,
+    EdgeAgentError,
+    FlashBusy,
+    FlashJobNotFound,
+    ModelNotFound,
+    PortNotOwned,
+    ServiceError,
+    ShuttingDown,
+    UploadFailed,
+)
 from edge_agent.scheduler.jobs import MAX_PRIORITY, MIN_PRIORITY
 
 __all__ = [
     "ApiError",
+    "HTTP_ERRORS",
+    "api_error",
     "ChatMessage",
     "DetokenizeRequest",
     "IGNORED_FIELDS",
@@ -122,6 +135,30 @@ class ApiError(EdgeAgentError):
     def body(self) -> bytes:
         return error_body(self.code, self.message, self.extra, status=self.status,
                           param=self.param)
+
+
+# The one place the daemon's domain errors (edge_agent/errors.py) get an HTTP status and code;
+# daemon/uart_backend.py's UART_CODES is the serial console's counterpart.
+HTTP_ERRORS: dict[type[ServiceError], tuple[int, str]] = {
+    ShuttingDown: (503, "shutting_down"),
+    AdmissionRefused: (503, "memory_pressure"),
+    ModelNotFound: (404, "model_not_found"),
+    PortNotOwned: (409, "port_not_owned"),
+    FlashBusy: (409, "port_busy"),
+    FlashJobNotFound: (404, "flash_job_not_found"),
+    BoardProfileError: (400, "invalid_request"),
+    UploadFailed: (507, "upload_failed"),
+}
+
+
+def api_error(exc: ServiceError) -> ApiError:
+    """The HTTP answer to a domain error: status and code from HTTP_ERRORS (its nearest listed
+    class; 503 `unavailable` if none), `Retry-After` from `retry_after_s`, the message as is
+    (a message starting "field 'x': " names its param)."""
+    status, code = next((HTTP_ERRORS[c] for c in type(exc).__mro__ if c in HTTP_ERRORS),
+                        (503, "unavailable"))
+    headers = () if exc.retry_after_s is None else (("retry-after", str(exc.retry_after_s)),)
+    return ApiError(status, code, exc.message, headers=headers)
 
 
 @dataclass(frozen=True)
