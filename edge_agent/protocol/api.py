@@ -702,6 +702,11 @@ IGNORED_FIELDS: dict[str, tuple[frozenset[str], Callable[[Any], bool], str]] = {
     "parallel_tool_calls": (frozenset((_CHAT,)), _is_bool, "true or false"),
     "safety_identifier": (frozenset((_CHAT,)), _is_str, "a string"),
     "prompt_cache_key": (frozenset((_CHAT,)), _is_str, "a string"),
+    # the prompt cache here is the runner's KV slots, reused by common prefix (docs/engines.md)
+    "prompt_cache_retention": (frozenset((_CHAT,)), lambda v: v in ("in_memory", "24h"),
+                               '"in_memory" or "24h"'),
+    "prompt_cache_options": (frozenset((_CHAT,)), lambda v: isinstance(v, dict),
+                             "an object"),
 }
 
 # OpenAI (or llama-server) parameters this server does not implement: 400 unless the value is
@@ -717,6 +722,7 @@ UNSUPPORTED_FIELDS: dict[str, dict[str, _Unsupported]] = {
         "web_search_options": (_never, "null", False),
         "reasoning_effort": (_never, "null", False),
         "verbosity": (_never, "null", False),
+        "moderation": (_never, "null", False),
     },
     _COMPLETION: {
         "echo": (lambda v: v is False, "false", True),
