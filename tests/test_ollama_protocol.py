@@ -1,6 +1,9 @@
 """protocol/ollama.py without a daemon: keep_alive durations (Go's time.ParseDuration units),
 options onto parse_generation's fields and their errors named `options.NAME`, the load/unload
-form of an empty request, and refused fields naming themselves."""
+form of an empty request, refused fields naming themselves, and tool calling mapped both ways
+(Ollama's `tools`, assistant `tool_calls` and `tool` messages onto the fields
+daemon/structured.py reads; a reply's calls back in Ollama's shape), checked against the
+OpenAI route's parser and the prompt daemon/structured.py renders with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -9,9 +12,12 @@ from typing import Any
 
 import pytest
 
-from edge_agent.protocol.api import UNTIL_CONTEXT, ApiError
+from edge_agent.daemon.structured import chat_prompt, tool_calls
+from edge_agent.protocol.api import UNTIL_CONTEXT, ApiError, parse_generation
 from edge_agent.protocol.ollama import (
     KeepAlive,
+    final,
+    ollama_tool_calls,
     parse_chat,
     parse_generate,
     parse_keep_alive,
@@ -73,7 +79,7 @@ def test_bad_options_name_the_option(options: dict[str, Any], param: str, words:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"format": "yaml"}, "format"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"format": "yaml"}, "format"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"think": True}, "think"), ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].images"),
     ({"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
@@ -120,3 +126,110 @@ def test_format_becomes_the_response_format() -> None:
     rf = chat(format=schema).generation.response_format
     assert rf["type"] == "json_schema" and rf["json_schema"]["schema"] == schema
     assert chat(format="").generation.response_format is None
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+# a conversation as the official client sends it back: the reply's message, then the results
+HISTORY = [
+    {"role": "user", "content": "Weather and time in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+        {"function": {"name": "get_time", "arguments": {}}}]},
+    {"role": "tool", "content": "12:00", "tool_name": "get_time"},
+    {"role": "tool", "content": "5 degrees", "tool_name": "get_weather"},
+]
+
+
+def test_tools_are_the_openai_routes_tools_with_tool_choice_auto() -> None:
+    g = chat(tools=[WEATHER]).generation
+    oa = parse_generation({"messages": HI, "tools": [WEATHER]}, chat=True, max_tokens_limit=9)
+    assert (g.tools, g.tool_choice) == (oa.tools, oa.tool_choice) == (oa.tools, "auto")
+    assert g.stream is True  # streamed with tools: held until the end (daemon/ollama.py)
+    assert chat(tools=[WEATHER], stream=False).generation.stream is False
+    assert chat(tools=[]).generation.tools is None
+
+
+def test_tool_turns_map_onto_openais_fields() -> None:
+    g = chat(messages=HISTORY, tools=[WEATHER, CLOCK]).generation
+    user, asked, time_, weather = g.messages
+    assert asked.role == "assistant" and asked.content == ""
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in asked.tool_calls] == [("function", "get_weather", {"city": "Oslo"}),
+                                           ("function", "get_time", {})]
+    ids = [c["id"] for c in asked.tool_calls]
+    assert len(set(ids)) == 2
+    # each result answers the call of its tool_name, whatever the order
+    assert (time_.tool_call_id, weather.tool_call_id) == (ids[1], ids[0])
+    # without tool_name: the oldest unanswered call; an id sent back is kept and names its call
+    g = chat(messages=[HISTORY[0], {**HISTORY[1], "tool_calls": [
+        {"id": "call_x", **HISTORY[1]["tool_calls"][0]}, HISTORY[1]["tool_calls"][1]]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1_1"},
+        {"role": "tool", "content": "5 degrees"},
+        {"role": "tool", "content": "late", "tool_name": "get_weather"}]).generation
+    assert [c["id"] for c in g.messages[1].tool_calls] == ["call_x", "call_1_1"]
+    assert [m.tool_call_id for m in g.messages[2:]] == ["call_1_1", "call_x", None]
+
+
+def test_a_reply_s_calls_go_back_in_ollamas_shape_and_round_trip() -> None:
+    g = chat(tools=[WEATHER]).generation
+    oa_calls = tool_calls(g, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                          "req-abc")
+    calls = ollama_tool_calls(oa_calls)
+    assert calls == [{"id": oa_calls[0]["id"], "function": {
+        "index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    body = final(chat=True, model="m", now=0.0, text="", done_reason="stop", stats=None,
+                 tool_calls=calls)
+    assert body["message"] == {"role": "assistant", "content": "", "tool_calls": calls}
+    assert (body["done"], body["done_reason"]) == (True, "stop")
+    assert tool_calls(g, "It is sunny.", "req-abc") is None  # text stays text
+    # the reply's message sent back as is: the same calls as the OpenAI route would keep
+    again = chat(messages=[*HI, body["message"]], tools=[WEATHER]).generation.messages[1]
+    assert again.tool_calls == tuple(oa_calls)
+
+
+def test_tool_turns_reach_the_prompt(tokenizer: Any) -> None:
+    """SmolLM2's template renders no tools: the calls as their JSON text, the results as user
+    turns naming the call they answer (daemon/structured.py)."""
+    g = chat(messages=[*HISTORY, {"role": "tool", "content": "orphan"}],
+             tools=[WEATHER, CLOCK]).generation
+    text = tokenizer.decode(chat_prompt(g, tokenizer))
+    ids = [c["id"] for c in g.messages[1].tool_calls]
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert f"Result of get_time (call {ids[1]}): 12:00" in text
+    assert f"Result of get_weather (call {ids[0]}): 5 degrees" in text
+    assert "Result of the function: orphan" in text
+    assert '"name": "get_time"' in text.split("Weather and time")[0]  # offered before the turn
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"tools": {"name": "f"}}, "tools", "a list"),
+    ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type", '"function"'),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name", "1..64"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters", "JSON Schema"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "unknown parameter"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"function": {"name": "f", "arguments": {}}}]}]}, "messages[0].tool_calls",
+     "only assistant"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a": 1}'}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+     "messages[0].tool_calls[0].function", '"name"'),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "args": {}}}]}]},
+     "messages[0].tool_calls[0].function.args", "unknown field"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_name": 3}]},
+     "messages[0].tool_name", "a string"),
+])
+def test_bad_tools_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(ApiError) as info:
+        chat(**body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert words in info.value.message and "Hint:" in info.value.message

@@ -128,8 +128,8 @@ def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
     for m in req.messages:
         if m.role == "tool":
             who = names.get(m.tool_call_id or "", "the function")
-            msgs.append({"role": "user", "content": f"Result of {who} (call {m.tool_call_id}):"
-                                                    f" {m.content}"})
+            call = f" (call {m.tool_call_id})" if m.tool_call_id else ""  # None: answers no call
+            msgs.append({"role": "user", "content": f"Result of {who}{call}: {m.content}"})
         elif m.tool_calls:
             text = "\n".join(_call_text(c) for c in m.tool_calls)
             msgs.append({"role": m.role, "content": f"{m.content}\n{text}" if m.content

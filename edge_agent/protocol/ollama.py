@@ -10,11 +10,18 @@ Invariants owned here:
   neutral), anything else 400 naming it.
 - `format` ("json" or a JSON Schema) becomes the OpenAI request's `response_format`.
 - Every top-level field is known or refused (400 naming it); fields of features this server
-  does not have (`tools`, `images`, `template`, `context`, `suffix`, `think`,
-  `logprobs`, image generation) are accepted only with their neutral value.
+  does not have (`images`, `template`, `context`, `suffix`, `think`, `logprobs`, image
+  generation) are accepted only with their neutral value.
 - `messages` take Ollama's roles (system, user, assistant, tool); they reach the model's chat
   template as the OpenAI chat route's do. An empty `messages` (or an empty `prompt`) asks for
   a load, or with `keep_alive` 0 an unload (`OllamaRequest.generation` is None).
+- `tools` (/api/chat) are the OpenAI route's `tools` with tool_choice "auto" (Ollama has no
+  tool_choice), validated by api.py's parser. An assistant message's `tool_calls` (arguments a
+  JSON object) become ChatMessage.tool_calls in OpenAI's shape (arguments a JSON string, an id
+  `call_I_J` unless the call carries one); a `tool` message answers the call its
+  `tool_call_id` names, else the oldest unanswered earlier call of its `tool_name`, else the
+  oldest unanswered call (tool_call_id None when there is none). A reply's calls go back in
+  Ollama's shape (`ollama_tool_calls`).
 - Error bodies are Ollama's: `{"error": message}`, the HTTP status saying the class.
 - Durations are integers of nanoseconds; points in time RFC 3339 in UTC.
 """
@@ -26,7 +33,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -59,6 +66,7 @@ __all__ = [
     "model_info",
     "model_name",
     "ndjson",
+    "ollama_tool_calls",
     "parse_chat",
     "parse_generate",
     "parse_keep_alive",
@@ -125,7 +133,6 @@ _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, st
     "logprobs": (_BOTH, lambda v: v is False, "false", "log probabilities are not supported"),
     "top_logprobs": (_BOTH, lambda v: v == 0 and _is_int(v), "0", "log probabilities are not "
                      "supported"),
-    "tools": ((_CHAT,), lambda v: v == [], "[]", "tool calling is not supported"),
     "images": ((_GEN,), lambda v: v == [], "[]", "the models served here take no images"),
     "suffix": ((_GEN,), lambda v: v == "", '""', "fill-in-the-middle (suffix) is not "
                "supported"),
@@ -138,10 +145,12 @@ _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, st
     "height": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
     "steps": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
 }
-_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive", "format"),
+_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive", "format", "tools"),
             _GEN: ("model", "prompt", "system", "raw", "stream", "options", "keep_alive",
                    "format")}
-_MESSAGE_KEYS = ("role", "content", "images", "tool_calls", "tool_name", "thinking")
+_MESSAGE_KEYS = ("role", "content", "images", "tool_calls", "tool_name", "tool_call_id",
+                 "thinking")
+_CALL_KEYS, _FUNCTION_KEYS = ("function", "id", "type"), ("name", "arguments", "index")
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
            "h": 3600.0}
@@ -335,6 +344,9 @@ def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
     names["response_format"] = "format"
     if messages is not None:  # checked here (Ollama's roles); a stand-in for api.py's check
         body["messages"] = [{"role": "user", "content": ""}]
+        if d.get("tools") is not None:  # validated there, tool_choice "auto"
+            body["tools"] = d["tools"]
+            body["stream"] = False  # a streamed reply with tools is held (daemon/ollama.py)
     else:
         body["prompt"] = prompt
     try:
@@ -342,7 +354,9 @@ def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
                                 default_max_tokens=UNTIL_CONTEXT)
     except ApiError as exc:
         raise renamed(exc, names) from None
-    return greq if messages is None else dataclasses.replace(greq, messages=messages)
+    if messages is None:
+        return greq
+    return dataclasses.replace(greq, messages=messages, stream=stream)
 
 
 def renamed(exc: ApiError, names: Mapping[str, str] = {"response_format": "format"}  # noqa: B006 - read only
@@ -363,6 +377,7 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         raise _bad("messages", f"expected a list of {{role, content}} objects, got {_show(v)}",
                    'use "messages": [{"role": "user", "content": "Hi"}]')
     out = []
+    pending: list[tuple[str, str]] = []  # (id, name) of the calls no tool message answered yet
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -381,17 +396,76 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(content, str):
             raise _bad(f"{where}.content", f"expected a string, got {_show(content)}",
                        "send the message text as a string")
-        for key, why in (("images", "the models served here take no images"),
-                         ("tool_calls", "tool calling is not supported")):
-            if m.get(key) not in (None, []):
-                raise _bad(f"{where}.{key}", why, f"remove {key!r} from the message",
-                           code="unsupported_parameter")
-        for key in ("tool_name", "thinking"):  # accepted, not rendered
+        if m.get("images") not in (None, []):
+            raise _bad(f"{where}.images", "the models served here take no images",
+                       "remove 'images' from the message", code="unsupported_parameter")
+        for key in ("tool_name", "tool_call_id", "thinking"):  # thinking: accepted, not rendered
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise _bad(f"{where}.{key}", f"expected a string, got {_show(m[key])}",
                            "send a string or leave it out")
-        out.append(ChatMessage(role, content))
+        calls = _message_calls(m.get("tool_calls"), where, role, i)
+        if calls:
+            pending.extend((c["id"], c["function"]["name"]) for c in calls)
+        call_id = _answers(m, pending) if role == "tool" else None
+        out.append(ChatMessage(role, content, calls, call_id))
     return tuple(out)
+
+
+def _message_calls(v: Any, where: str, role: str, i: int) -> tuple[dict[str, Any], ...] | None:
+    """An assistant message's `tool_calls` (Ollama's shape) in OpenAI's, as api.py keeps them."""
+    if v is None or v == []:
+        return None
+    hint = ('send back the message of the reply as it came: "tool_calls": [{"function": '
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}}]')
+    if role != "assistant":
+        raise _bad(f"{where}.tool_calls", "only assistant messages carry tool calls",
+                   'send a tool\'s result as {"role": "tool", "tool_name": NAME, "content": '
+                   '"..."}')
+    if not isinstance(v, list):
+        raise _bad(f"{where}.tool_calls", f"expected a list, got {_show(v)}", hint)
+    out = []
+    for j, call in enumerate(v):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise _bad(at, f"expected an object, got {_show(call)}", hint)
+        fn = call.get("function")
+        for key, keys, obj in ((at, _CALL_KEYS, call), (f"{at}.function", _FUNCTION_KEYS, fn)):
+            for k in obj if isinstance(obj, dict) else ():
+                if k not in keys:
+                    raise _bad(f"{key}.{k}", "unknown field of a tool call", f"remove it; "
+                               f"{key.rsplit('.', 1)[-1]} takes {', '.join(keys)}",
+                               code="unknown_parameter")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"{at}.function", f'expected {{"name": STRING, "arguments": OBJECT}}, '
+                       f"got {_show(fn)}", hint)
+        args = {} if fn.get("arguments") is None else fn["arguments"]
+        if not isinstance(args, dict):
+            raise _bad(f"{at}.function.arguments", f"expected a JSON object, got {_show(args)}",
+                       'send the arguments as an object, e.g. {"city": "Paris"} (a JSON '
+                       "string is the OpenAI routes' form)")
+        if fn.get("index") is not None and not _is_int(fn["index"]):
+            raise _bad(f"{at}.function.index", f"expected an integer, got {_show(fn['index'])}",
+                       "send back the index of the reply's call, or leave it out")
+        cid = call.get("id")
+        if cid is not None and (not isinstance(cid, str) or not cid):
+            raise _bad(f"{at}.id", f"expected a non-empty string, got {_show(cid)}",
+                       "send back the id of the reply's call, or leave it out")
+        if call.get("type") not in (None, "function"):
+            raise _bad(f"{at}.type", f'expected "function", got {_show(call["type"])}', hint)
+        out.append({"id": cid or f"call_{i}_{j}", "type": "function",
+                    "function": {"name": fn["name"],
+                                 "arguments": json.dumps(args, ensure_ascii=False)}})
+    return tuple(out)
+
+
+def _answers(m: Mapping[str, Any], pending: list[tuple[str, str]]) -> str | None:
+    """The id of the earlier call a `tool` message answers (taken off `pending`)."""
+    by_id, name = m.get("tool_call_id"), m.get("tool_name")
+    for k, (cid, fname) in enumerate(pending):
+        if (cid == by_id) if by_id else (name is None or fname == name):
+            del pending[k]
+            return cid
+    return by_id or None
 
 
 def _common(body: bytes, path: str) -> tuple[dict[str, Any], str, bool, KeepAlive | None]:
@@ -469,11 +543,23 @@ def ndjson(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
-def chunk(*, chat: bool, model: str, now: float, text: str) -> dict[str, Any]:
-    """One streamed object (`done: false`)."""
+def ollama_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A reply's tool calls (OpenAI's shape, arguments a JSON string) in Ollama's:
+    `[{"id", "function": {"index", "name", "arguments": {...}}}]`."""
+    return [{"id": c["id"], "function": {"index": i, "name": c["function"]["name"],
+                                         "arguments": json.loads(c["function"]["arguments"])}}
+            for i, c in enumerate(calls)]
+
+
+def chunk(*, chat: bool, model: str, now: float, text: str,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed object (`done: false`); with `tool_calls` (Ollama's shape), a message
+    that calls tools."""
     out: dict[str, Any] = {"model": model, "created_at": rfc3339(now)}
     if chat:
         out["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            out["message"]["tool_calls"] = tool_calls
     else:
         out["response"] = text
     out["done"] = False
@@ -481,9 +567,10 @@ def chunk(*, chat: bool, model: str, now: float, text: str) -> dict[str, Any]:
 
 
 def final(*, chat: bool, model: str, now: float, text: str, done_reason: str,
-          stats: Stats | None) -> dict[str, Any]:
+          stats: Stats | None, tool_calls: list[dict[str, Any]] | None = None
+          ) -> dict[str, Any]:
     """The last object (`done: true`, why, and the statistics of a generation)."""
-    out = chunk(chat=chat, model=model, now=now, text=text)
+    out = chunk(chat=chat, model=model, now=now, text=text, tool_calls=tool_calls)
     out["done"] = True
     out["done_reason"] = done_reason
     if stats is not None:
@@ -536,7 +623,7 @@ def show_body(*, meta: Mapping[str, Any], parameters: int, dominant: str | None,
         "license": str(meta.get("general.license") or ""),
         "details": model_details(meta, parameters, dominant),
         "model_info": model_info(meta, parameters),
-        "capabilities": ["completion"],
+        "capabilities": ["completion", "tools"],  # tools: through the template or a prompt
         "modified_at": rfc3339(modified),
     }
 
