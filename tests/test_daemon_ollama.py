@@ -1,8 +1,9 @@
 """Ollama's API on a live daemon's TCP listener, through the official `ollama` Python client:
 chat and generate (streamed and not), list, ps, show, version, keep_alive (0 unloads, a
 duration or -1 keeps the model), load/unload by an empty request, bad inputs as
-`ollama.ResponseError` with their status, and the same tokens as the OpenAI routes at
-temperature 0.
+`ollama.ResponseError` with their status, the same tokens as the OpenAI routes at
+temperature 0, and a tool call round trip (the call, then the tool's result and the answer)
+checked against the OpenAI route given the same conversation.
 
 Recipe as tests/test_daemon_openai.py: `python -m edge_agent serve` as a subprocess with the
 real default model and the llama.cpp engine (tests/daemon_proc.py), `server.tcp` on a free
@@ -28,7 +29,7 @@ from daemon_proc import Daemon, launch, serve_argv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CONTEXT = 256
+CONTEXT = 512  # room for the tool round trip's conversation
 HELLO = [{"role": "user", "content": "Tell me about dragons."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 
@@ -162,7 +163,8 @@ def test_list_show_version_and_root(client: Any, base: str) -> None:
     assert show.modelinfo["general.parameter_count"] == params
     assert show.modelinfo[f"{arch}.context_length"] > 0
     assert "tokenizer.ggml.tokens" not in show.modelinfo
-    assert show.capabilities == ["completion"] and f"num_ctx {CONTEXT}" in show.parameters
+    assert show.capabilities == ["completion", "tools"]
+    assert f"num_ctx {CONTEXT}" in show.parameters
 
     with httpx.Client(base_url=base) as h:
         r = h.get("/api/version")
@@ -281,3 +283,126 @@ def test_format_constrains_the_reply_to_json_and_to_a_schema(client: Any) -> Non
     out = client.generate(model="smollm2", prompt="Reply with a JSON object about the sea.",
                           format=short, options={"temperature": 0, "num_predict": 48})
     jsonschema.validate(json.loads(out.response), short)
+
+
+# as the client sends it (its Tool model keeps these keys, in this order), so the OpenAI route
+# given the same dict renders the same prompt
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}}}}}
+
+
+def _asked(city: str, result: str) -> list[dict[str, Any]]:
+    """One earlier exchange: the question, the call, its result, the answer (SmolLM2 135M
+    follows the pattern, so `auto` makes the call: the model is too weak to without)."""
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": city}}}]},
+            {"role": "tool", "content": result, "tool_name": "get_weather"},
+            {"role": "assistant", "content": f"It is {result} in {city}."}]
+
+
+ASK = [*_asked("Oslo", "5 degrees, rain"), *_asked("Rome", "25 degrees, sunny"),
+       {"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_GREEDY = {"temperature": 0, "num_predict": 60}
+
+
+def _openai_form(messages: list[Any]) -> list[dict[str, Any]]:
+    """The same conversation for /v1/chat/completions: arguments as JSON strings, the ids
+    Ollama's form gets (`call_I_J`, docs/api.md), tool messages by tool_call_id."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("tool_calls"):
+            out.append({"role": "assistant", "content": m.get("content") or None, "tool_calls": [
+                {"id": f"call_{i}_{j}", "type": "function", "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(dict(c["function"]["arguments"]))}}
+                for j, c in enumerate(m["tool_calls"])]})
+        elif m["role"] == "tool":
+            asked = next(k for k in range(i - 1, -1, -1) if out[k].get("tool_calls"))
+            out.append({"role": "tool", "tool_call_id": f"call_{asked}_0",
+                        "content": m["content"]})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _oracle(daemon: Daemon, messages: list[Any]) -> dict[str, Any]:
+    status, oa = daemon.json("POST", "/v1/chat/completions", {
+        "model": "smollm2", "messages": _openai_form(messages), "tools": [WEATHER],
+        "temperature": 0, "max_tokens": TOOL_GREEDY["num_predict"]})
+    assert status == 200, oa
+    return dict(oa)
+
+
+def test_tool_call_round_trip(client: Any, daemon: Daemon, base: str) -> None:
+    import jsonschema
+
+    r = client.chat(model="smollm2", messages=ASK, tools=[WEATHER], options=TOOL_GREEDY)
+    assert r.message.tool_calls, r.message  # the pattern above makes the call
+    assert (r.message.content, r.done, r.done_reason) == ("", True, "stop")
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
+    # the oracle: the OpenAI route parses the same call out of the same tokens
+    oa = _oracle(daemon, ASK)
+    (oa_call,) = oa["choices"][0]["message"]["tool_calls"]
+    assert (oa_call["function"]["name"], json.loads(oa_call["function"]["arguments"])) == (
+        call.function.name, dict(call.function.arguments))
+    assert (r.eval_count, r.prompt_eval_count) == (oa["usage"]["completion_tokens"],
+                                                     oa["usage"]["prompt_tokens"])
+    # on the wire: Ollama's shape, arguments an object
+    with httpx.Client(base_url=base, timeout=240) as h:
+        raw = h.post("/api/chat", json={"model": "smollm2", "messages": ASK,
+                                         "tools": [WEATHER], "options": TOOL_GREEDY,
+                                         "stream": False}).json()
+    (wire,) = raw["message"]["tool_calls"]
+    assert wire["function"] == {"index": 0, "name": "get_weather",
+                                "arguments": dict(call.function.arguments)}
+    assert isinstance(wire["id"], str) and wire["id"].startswith("call_")
+
+    # streamed: the calls in one object before the final one, no text
+    parts = list(client.chat(model="smollm2", messages=ASK, tools=[WEATHER],
+                             options=TOOL_GREEDY, stream=True))
+    assert [p.done for p in parts] == [False, True]
+    assert parts[0].message.tool_calls == r.message.tool_calls
+    assert parts[0].message.content == parts[1].message.content == ""
+    assert (parts[1].done_reason, parts[1].eval_count) == ("stop", r.eval_count)
+
+    # the result goes back as a tool message; the answer is text, as the OpenAI route's
+    done = [*ASK, r.message, {"role": "tool", "content": "18 degrees, sunny",
+                              "tool_name": call.function.name}]
+    answer = client.chat(model="smollm2", messages=done, tools=[WEATHER], options=TOOL_GREEDY)
+    assert answer.message.content and not answer.message.tool_calls
+    oa = _oracle(daemon, [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": call.function.name,
+                      "arguments": dict(call.function.arguments)}}]}, done[-1]])
+    assert answer.message.content == oa["choices"][0]["message"]["content"]
+    assert answer.prompt_eval_count == oa["usage"]["prompt_tokens"]
+    parts = list(client.chat(model="smollm2", messages=done, tools=[WEATHER],
+                             options=TOOL_GREEDY, stream=True))
+    assert [p.message.content for p in parts] == [answer.message.content, ""]
+    assert not any(p.message.tool_calls for p in parts)
+
+
+def test_bad_tools_are_400s_naming_the_field(client: Any, base: str) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="smollm2", messages=HELLO,
+                    tools=[{"type": "function", "function": {"name": "get weather"}}])
+    status, text = _error(info)
+    assert status == 400 and "'tools[0].function.name'" in text and "Hint:" in text
+    with httpx.Client(base_url=base) as h:
+        for body, field in (
+                ({"tools": {"type": "function"}}, "'tools'"),
+                ({"tools": [{"type": "retrieval"}]}, "'tools[0].type'"),
+                ({"tools": [WEATHER], "tool_choice": "auto"}, "'tool_choice'"),
+                ({"messages": [*HELLO, {"role": "assistant", "tool_calls": [
+                    {"function": {"name": "f", "arguments": "{}"}}]}]},
+                 "'messages[1].tool_calls[0].function.arguments'")):
+            r = h.post("/api/chat", json={"model": "smollm2", "messages": HELLO, **body})
+            assert r.status_code == 400 and field in r.json()["error"], r.text
+        r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
+                                          "tools": [WEATHER]})
+        assert r.status_code == 400 and "'tools'" in r.json()["error"]  # chat only

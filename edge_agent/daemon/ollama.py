@@ -11,6 +11,10 @@ Invariants owned here:
 - Streams are NDJSON: one object per released text piece, then a final object with
   `done: true` and the statistics, or `{"error": ...}` when the request failed after the
   stream began. A client that goes away cancels its request (as on the OpenAI routes).
+- A chat that offers `tools` is answered as on the OpenAI route (daemon/structured.py parses
+  the calls out of the reply): `message.tool_calls` in Ollama's shape and `content` "". Its
+  stream is held until the reply is complete (only then is it known to be a call or text):
+  one object with the text or the calls, then the final object.
 - A model's card (GGUF metadata, parameter count, sha256 of the file) is read off the event
   loop and kept while the file is unchanged (same device, inode, size and mtime).
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_agent.daemon import structured
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError
@@ -43,6 +48,7 @@ from edge_agent.protocol.ollama import (
     model_details,
     model_name,
     ndjson,
+    ollama_tool_calls,
     parse_chat,
     parse_generate,
     parse_show,
@@ -235,9 +241,17 @@ class OllamaRoutes:
                 self.d.cancel(rec.id, why="client disconnected")
         if rec.error is not None:
             raise ApiError(*rec.error)
+        calls = self._tool_calls(rec)
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                text=rec.text, done_reason=rec.finish_reason or "stop",
-                                stats=self._stats(rec, svc, t0)))
+                                text="" if calls else rec.text,
+                                done_reason=rec.finish_reason or "stop",
+                                stats=self._stats(rec, svc, t0), tool_calls=calls))
+
+    @staticmethod
+    def _tool_calls(rec: RequestRecord) -> list[dict[str, Any]] | None:
+        """The reply's tool calls in Ollama's shape (None: it is text, or no tools offered)."""
+        calls = structured.tool_calls(rec.request, rec.text, rec.id)
+        return None if calls is None else ollama_tool_calls(calls)
 
     async def _load_or_unload(self, svc: ModelService, oreq: OllamaRequest) -> Reply:
         ka = oreq.keep_alive
@@ -255,14 +269,19 @@ class OllamaRoutes:
 
     async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ModelService,
                       t0: float) -> AsyncIterator[bytes]:
+        held = rec.request.tools is not None  # a call or text: known at the end
         try:
             async for _, piece in rec.follow(0):
-                if piece:
+                if piece and not held:
                     yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
                                        text=piece))
             if rec.error is not None:
                 yield ndjson({"error": rec.error[2]})
             else:
+                calls = self._tool_calls(rec) if held else None
+                if calls or (held and rec.text):
+                    yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
+                                       text="" if calls else rec.text, tool_calls=calls))
                 yield ndjson(final(chat=oreq.chat, model=oreq.model, now=time.time(), text="",
                                    done_reason=rec.finish_reason or "stop",
                                    stats=self._stats(rec, svc, t0)))
