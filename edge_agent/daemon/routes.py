@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
@@ -54,6 +54,15 @@ OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POS
                  "/api/generate, /api/show (docs/api.md).")
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
+
+
+class _ChunkIds(TypedDict):
+    """The `completion_chunk` arguments every chunk of one stream shares."""
+
+    rid: str
+    model: str
+    created: int
+    chat: bool
 
 
 def _json(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
@@ -145,7 +154,7 @@ class Router:
             return Response(503, ApiError(503, "unavailable", str(exc)).body())
 
     # -- status --------------------------------------------------------------------------------
-    async def health(self, req: Request) -> Reply:
+    async def health(self, req: Request) -> Response:
         d = self.d
         status = "stopping" if d.stopping else ("serving" if d.ready else "loading")
         models = {n: s.to_dict() for n, s in d.services.items()}
@@ -254,8 +263,8 @@ class Router:
         return _json(200, body)
 
     async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:
-        common = {"rid": rec.id, "model": rec.model, "created": rec.created,
-                  "chat": rec.request.chat}
+        common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
+                             "chat": rec.request.chat}
         try:
             first = True
             async for _, piece in rec.follow(0):
