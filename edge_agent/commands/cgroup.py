@@ -25,7 +25,7 @@ from edge_agent.sizes import parse_size
 __all__ = ["register", "run_show", "run_apply", "manager_for"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("cgroup", help="show our cgroup v2 subtree; dry-run the policy",
                             description="cgroup v2 memory layout of the daemon: detection, "
                             "current values, and the writes a policy implies.")
@@ -82,7 +82,7 @@ def run_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
         f"our cgroup:  {d.cgroup or '-'}" + (" (already set up)" if d.already_set_up else ""),
         f"controllers: {' '.join(d.controllers) or '-'}",
         f"subtree:     {' '.join(d.subtree_control) or '-'}",
-        f"writable:    {({True: 'yes', False: 'no'}).get(d.writable, '-')}",
+        f"writable:    {'-' if d.writable is None else ('yes' if d.writable else 'no')}",
         f"PSI:         {d.psi} ({d.psi_detail})",
     ]
     p = snap["pressure"]

@@ -208,7 +208,7 @@ def gather(proc: Path = Path("/proc")) -> list[Finding]:
     ]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("doctor", help="check what this board needs (exit 1 if missing)",
                             description="Check cgroup v2, delegation, the memory controller, "
                             "PSI and whether a PSI trigger can be armed, memory locking, swap, "

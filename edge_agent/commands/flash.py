@@ -65,7 +65,7 @@ def _int(text: str) -> int:
         ) from None
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "flash",
         help="check, flash or read STM32 firmware over the UART bootloader",

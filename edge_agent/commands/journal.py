@@ -20,7 +20,7 @@ from edge_agent.errors import UsageError
 __all__ = ["register", "run"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "journal",
         help="show, export or compact the daemon's journal (SQLite state)",

@@ -69,7 +69,7 @@ class StderrProgress:
         self.stream.flush()
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("model", help="prepare weights, show model facts, check pinning",
                             description="Prepare, inspect and pin model weights.")
     parser.set_defaults(func=lambda args: _usage(parser))

@@ -63,7 +63,7 @@ def install_targets(
     }
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "systemd",
         help="install the systemd units for this installation",

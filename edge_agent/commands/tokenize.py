@@ -19,7 +19,7 @@ from edge_agent.errors import UsageError
 __all__ = ["register", "run"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "tokenize",
         help="print the token ids of a text (or the text of ids with --decode)",
@@ -58,6 +58,7 @@ def _read_input(arg: str) -> str:
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     stripped = text.strip()
+    ids: list[int]  # from JSON: each value is checked to be an int below
     try:
         if stripped.startswith("["):
             ids = json.loads(stripped)

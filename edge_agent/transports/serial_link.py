@@ -32,7 +32,7 @@ import serial.serialposix
 try:
     import termios
 except ImportError:  # pragma: no cover - not POSIX
-    termios = None  # type: ignore[assignment]
+    termios = None  # type: ignore[assignment]  # None: this platform has no termios
 
 from edge_agent.errors import ConfigError
 
