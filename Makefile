@@ -68,6 +68,7 @@ deps-test: $(STAMP_TEST) deps-debian
 
 test: deps-test
 	$(VENV)/bin/ruff check edge_agent firmware_tools tests bench
+	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: venv

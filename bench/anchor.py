@@ -86,7 +86,7 @@ def cache_key(isa: str) -> str:
 
 def _run(argv: list[str], **kw: object) -> None:
     _log("$ " + " ".join(argv))
-    subprocess.run(argv, check=True, stdout=sys.stderr, **kw)  # type: ignore[call-overload]  # kw carries subprocess.run keywords from the caller
+    subprocess.run(argv, check=True, stdout=sys.stderr, **kw)  # type: ignore[call-overload]  # subprocess.run's keywords, passed on
 
 
 def _build(dest: Path, isa: str, python: str) -> None:

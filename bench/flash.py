@@ -155,7 +155,7 @@ def compare(tmp: Path, elf: Path, binary: Path, label: str, extra: str, runs: in
         print(f"[{label}] run {run + 1}/{runs} ({order[0]} first): ours {took['ours']:.3f} s, "
               f"stm32flash {took['stm32flash']:.3f} s, ratio {ratios[-1]:.3f}", flush=True)
     size = binary.stat().st_size
-    print(f"[{label}] image {size} bytes, sectors {result.sectors}")  # type: ignore[attr-defined]  # the flasher's result carries the sector list
+    print(f"[{label}] image {size} bytes, sectors {result.sectors}")  # type: ignore[attr-defined]  # our last flash_elf result
     med = {who: statistics.median(times[who]) for who in TOOLS}
     print(f"[{label}] fresh chip, median of {runs}: ours {med['ours']:.3f} s "
           f"({wire['ours']}), stm32flash -v {med['stm32flash']:.3f} s ({wire['stm32flash']}); "

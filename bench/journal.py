@@ -135,7 +135,7 @@ def _daemon_figures(base: Path, state: Path, args: argparse.Namespace) -> None:
         root = base / name
         root.mkdir(exist_ok=True)
         write_config(root, state, {"smollm2": (None, bool(cfg.pop("preload", True)))},
-                     context=256, max_batch=args.batch, **cfg)  # type: ignore[arg-type]  # cfg holds write_config's keywords
+                     context=256, max_batch=args.batch, **cfg)  # type: ignore[arg-type]  # write_config's keywords, checked there
         return root
 
     _ready_figure(run, args)

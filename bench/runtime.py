@@ -176,7 +176,7 @@ def bench_engine(engine: Engine, threads: list[int], repeats: int) -> dict[int, 
         out[n] = {b: med(w for w, _ in dec[n][b]) for b in BATCHES}
         ratios: dict[int, tuple[float, float]] = {}
         for b in BATCHES:
-            ratios[b] = tuple(  # type: ignore[assignment]  # tuple() of exactly two ratios
+            ratios[b] = tuple(  # type: ignore[assignment]  # tuple() of two medians
                 med(x[k] / y[k] for x, y in zip(dec[n][b], dec[n][1], strict=True))
                 for k in (0, 1))
             cpu = med(c for _, c in dec[n][b])
@@ -218,14 +218,14 @@ def bench_profile(engine: Engine, repeats: int) -> None:
     def timed_forward(*args: object, **kw: object) -> np.ndarray:
         c = time.thread_time()
         try:
-            return real_forward(*args, **kw)  # type: ignore[arg-type]  # passes the caller's arguments through unchanged
+            return real_forward(*args, **kw)  # type: ignore[arg-type]  # forward's own arguments, passed on
         finally:
             acc["forward"] = acc.get("forward", 0.0) + time.thread_time() - c
 
     prompt = _prompt_ids(engine, 64)
     rows: dict[int, dict[str, float]] = {}
-    model_mod._mm = timed_mm  # type: ignore[assignment]  # timing wrapper patched in for the measurement
-    m.forward = timed_forward  # type: ignore[method-assign]  # timing wrapper patched in for the measurement
+    model_mod._mm = timed_mm
+    m.forward = timed_forward  # type: ignore[method-assign]  # timing wrapper, restored below
     try:
         engine.threads = 1
         for b in (1, 8):
@@ -240,7 +240,7 @@ def bench_profile(engine: Engine, repeats: int) -> None:
                 engine.release(name)
             rows[b] = {k: v / steps for k, v in acc.items()} | {"step": total / steps}
     finally:
-        model_mod._mm = real_mm  # type: ignore[assignment]  # puts the real function back
+        model_mod._mm = real_mm
         del m.forward
     print(f"\ndecode step profile, 1 BLAS thread, thread CPU time per step "
           f"({DECODE_STEPS * repeats} steps each)")
@@ -258,7 +258,7 @@ def bench_profile(engine: Engine, repeats: int) -> None:
 
 def bench_llama_cpp(model: Path, threads: int, ours: float) -> None:
     try:
-        import llama_cpp  # type: ignore[import-not-found]  # optional: the bench says so when it is missing
+        import llama_cpp
     except ImportError:
         print("\nllama-cpp-python: not installed (optional: pip install '.[llamacpp]'); "
               "no comparison")

@@ -77,15 +77,15 @@ def _globals_everywhere(parser: argparse.ArgumentParser) -> set[str]:
     takes_socket: set[str] = set()
     for child in _sub_parsers(parser):
         known = child._option_string_actions
-        for flags, kwargs in ((("--state-dir",), {"metavar": "DIR", "help": _STATE_DIR_HELP}),
-                              (("-v", "--verbose"), {"action": "store_true",
-                                                     "help": _VERBOSE_HELP}),
-                              (("-q", "--quiet"), {"action": "store_true",
-                                                   "help": _QUIET_HELP})):
+        options: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+            (("--state-dir",), {"metavar": "DIR", "help": _STATE_DIR_HELP}),
+            (("-v", "--verbose"), {"action": "store_true", "help": _VERBOSE_HELP}),
+            (("-q", "--quiet"), {"action": "store_true", "help": _QUIET_HELP}))
+        for flags, kwargs in options:
             if flags[-1] in known:
                 known[flags[-1]].default = argparse.SUPPRESS
             else:
-                child.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]  # kwargs holds both option kinds' keywords
+                child.add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
         if "--socket" in known:
             known["--socket"].default = argparse.SUPPRESS
             takes_socket.add(child.prog)

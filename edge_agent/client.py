@@ -223,7 +223,8 @@ class DaemonClient:
         if not isinstance(reply, dict) or not isinstance(reply.get("id"), str):
             raise DaemonError("protocol", f"POST /v1/requests: no request id in {reply!r:.80}. "
                               "Hint: is this an edge-agent daemon?")
-        return reply["id"]
+        rid: str = reply["id"]
+        return rid
 
     def get_request(self, request_id: str) -> dict[str, Any]:
         return dict(self._json("GET", f"/v1/requests/{quote(request_id, safe='')}"))

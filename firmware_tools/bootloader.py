@@ -198,13 +198,10 @@ class Bootloader(MemoryBlocks):
 
 def _ranges(pages: Sequence[int]) -> str:
     """`0-3,5` for [0, 1, 2, 3, 5]."""
-    out: list[str] = []
-    start = prev = None
-    for page in list(pages) + [None]:  # type: ignore[list-item]  # None ends the last run of pages
-        if start is not None and (page is None or page != prev + 1):  # type: ignore[operator]  # prev is set whenever start is
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if page is not None and start is None:
-            start = page
-        prev = page
-    return ",".join(out)
+    runs: list[tuple[int, int]] = []  # (first, last)
+    for page in pages:
+        if runs and page == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], page)
+        else:
+            runs.append((page, page))
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)

@@ -115,8 +115,8 @@ class FlashPlan:
             )
         lines.append(f"erase    {len(self.sectors)} sector{'s' if len(self.sectors) != 1 else ''}"
                      f", {_size(self.erase_bytes)}")
-        for s in _runs(self.sectors):
-            lines.append(s)
+        for run in _runs(self.sectors):
+            lines.append(run)
         lines.append(
             f"write    {self.total_bytes} bytes in {len(self.write_chunks)} chunks to "
             f"0x{self.start:08X}..0x{self.end:08X}"

@@ -84,7 +84,8 @@ class SectorProgress:
                 self.loaded = True
 
     def state(self, index: int) -> str | None:
-        return self.doc["sectors"].get(str(index))
+        state: str | None = self.doc["sectors"].get(str(index))
+        return state
 
     def mark(self, index: int, state: str) -> None:
         self.mark_many([index], state)

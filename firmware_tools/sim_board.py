@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from firmware_tools.an3155 import SYNC, Command
 from firmware_tools.errors import FirmwareError
+
+if TYPE_CHECKING:
+    from firmware_tools.profiles import McuProfile
 
 __all__ = ["CHIPS", "Faults", "SimChip", "SimulatorError", "chip_from_profile"]
 
@@ -74,30 +78,30 @@ CHIPS["stm32f103"] = CHIPS["f103"]
 CHIPS["stm32h750"] = CHIPS["stm32h750vb"] = CHIPS["h750"]
 
 
-def chip_from_profile(profile: object) -> SimChip:
+def chip_from_profile(profile: McuProfile) -> SimChip:
     """A SimChip with the sector map, chip id and reserved RAM of a firmware_tools profile."""
-    pids = tuple(profile.chip_ids)  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+    pids = tuple(profile.chip_ids)
     known = {c.pid: c for c in CHIPS.values()}
     base = next((known[p] for p in pids if p in known), None)
     if base is None and pids and 0x410 <= pids[0] <= 0x430:
         base = CHIPS["f103"]  # the F1 family: v2.x bootloader with Erase (0x43)
-    sectors = tuple(s.size for s in profile.sectors)  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+    sectors = tuple(s.size for s in profile.sectors)
     ram = tuple((r.start, r.size) for r in getattr(profile, "ram", ())) or (
         base.ram if base else ((0x20000000, 128 * _K),)
     )
-    reserved = profile.bootloader.ram_reserved  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+    reserved = profile.bootloader.ram_reserved
     uses_ext = len(sectors) > 256 or base is None or Command.EXTENDED_ERASE in base.commands
     return SimChip(
-        name=str(profile.name),  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
-        pid=profile.chip_ids[0],  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+        name=str(profile.name),
+        pid=profile.chip_ids[0],
         version=base.version if base else 0x31,
         commands=_F4_CMDS if uses_ext else _F1_CMDS,
-        flash_start=profile.flash_start,  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+        flash_start=profile.flash_start,
         sector_sizes=sectors,
         ram=ram,
         ram_reserved=(reserved.start, reserved.stop),
         system_memory=base.system_memory if base else (0x1FFF0000, 0x7800),
-        write_unit=profile.write_unit,  # type: ignore[attr-defined]  # any profile-shaped object (McuProfile or a test's)
+        write_unit=profile.write_unit,
     )
 
 

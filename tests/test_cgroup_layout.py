@@ -132,7 +132,7 @@ def test_a_process_that_appears_after_planning_is_moved_too(tree: Tree) -> None:
         if path.name == "cgroup.procs" and value == "4243":
             tree.kernel.add_pid(BASE, 4300)  # forked by the daemon meanwhile
 
-    tree.kernel.write = write  # type: ignore[method-assign]  # the fake kernel's write, patched to fork a pid
+    tree.kernel.write = write  # type: ignore[method-assign]  # a kernel that forks meanwhile
     assert mgr.setup(policy).available
     assert read(tree, f"{BASE}/supervisor", "cgroup.procs").split() == ["4242", "4243", "4300"]
 

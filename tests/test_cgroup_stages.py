@@ -18,7 +18,7 @@ def test_escalates_one_step_per_interval_up_to_the_cap() -> None:
     t = s.on_pressure(102.0)
     assert t is not None and t.to_stage == 2
     assert "still under pressure 2.0 s after stage 1" in t.reason
-    assert s.on_pressure(104.5).to_stage == 3  # type: ignore[union-attr]  # this call returns a transition
+    assert s.on_pressure(104.5).to_stage == 3  # type: ignore[union-attr]  # a transition is due here
     assert s.on_pressure(110.0) is None and s.stage == 3  # capped
     assert s.events == 5
 
@@ -35,10 +35,10 @@ def test_release_is_one_stage_per_calm_hold() -> None:
     assert t.describe().startswith("memory pressure: released stage 3 (cancel-lowest) -> 2 "
                                    "(stop-admitting): no pressure event for 10.0 s")
     assert s.tick(20.0) is None  # the hold restarts at each release
-    assert s.tick(24.0).to_stage == 1  # type: ignore[union-attr]  # this call returns a transition
+    assert s.tick(24.0).to_stage == 1  # type: ignore[union-attr]  # a transition is due here
     s.on_pressure(25.0)  # pressure again at stage 1: escalation needs the interval (1 s < 2)
     assert s.stage == 1
-    assert s.tick(34.9) is None and s.tick(35.0).to_stage == 0  # type: ignore[union-attr]  # this call returns a transition
+    assert s.tick(34.9) is None and s.tick(35.0).to_stage == 0  # type: ignore[union-attr]  # a transition is due here
     assert s.tick(100.0) is None and s.next_wakeup(100.0) is None
     assert [h.to_stage for h in s.history] == [1, 2, 3, 2, 1, 0]
 
@@ -48,7 +48,7 @@ def test_still_high_reading_restarts_the_hold() -> None:
     s.on_pressure(0.0)
     assert s.tick(10.0, still_high=True) is None and s.stage == 1
     assert s.tick(19.0) is None
-    assert s.tick(20.0).to_stage == 0  # type: ignore[union-attr]  # this call returns a transition
+    assert s.tick(20.0).to_stage == 0  # type: ignore[union-attr]  # a transition is due here
 
 
 def test_actions() -> None:

@@ -189,7 +189,7 @@ def test_transformers_parameters_are_not_template_variables() -> None:
     with pytest.raises(TypeError, match="continue_final_message"):
         t.render(USER, continue_final_message=True)
     with pytest.raises(TypeError, match="add_generation_prompt"):
-        t.render(USER, add_generation_prompt="yes")  # type: ignore[arg-type]  # a bad type on purpose: render must refuse it
+        t.render(USER, add_generation_prompt="yes")  # type: ignore[arg-type]  # on purpose: not a bool
 
 
 # -- the sandbox --------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def daemon(short_dir: Path) -> Iterator[FakeDaemon]:
 
 
 def client(server: FakeDaemon) -> DaemonClient:
-    return DaemonClient(server.server_address, timeout=10)  # type: ignore[arg-type]  # a Unix socket server's address is its path
+    return DaemonClient(server.server_address, timeout=10)  # type: ignore[arg-type]  # a unix server's address is its path (str)
 
 
 # ----- the library -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def load(**kw):  # type: ignore[no-untyped-def]  # forwards any load_config keywords
+def load(**kw):
     kw.setdefault("env", {})
     kw.setdefault("check_paths", False)
     return load_config(**kw)

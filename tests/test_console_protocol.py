@@ -8,7 +8,7 @@ from edge_agent.protocol import console as con
 
 
 def feed(editor: con.LineEditor, data: bytes) -> tuple[list[object], bytes]:
-    return editor.feed(data)  # type: ignore[return-value]  # the events as plain objects, for comparisons
+    return editor.feed(data)  # type: ignore[return-value]  # list is invariant; read as objects
 
 
 @pytest.mark.parametrize("ending", [b"\r", b"\n", b"\r\n"])

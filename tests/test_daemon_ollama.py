@@ -52,13 +52,13 @@ def daemon() -> Iterator[Daemon]:
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = 2\npreload = true\n"
     )
     with launch(Daemon, root, serve_argv(cfg)) as d:
-        d.port = port  # type: ignore[attr-defined]
+        d.port = port  # type: ignore[attr-defined]  # this test's own note on the Daemon
         yield d
 
 
 @pytest.fixture(scope="module")
 def base(daemon: Daemon) -> str:
-    return f"http://127.0.0.1:{daemon.port}"  # type: ignore[attr-defined]
+    return f"http://127.0.0.1:{daemon.port}"  # type: ignore[attr-defined]  # set by the fixture above
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
 
 
 def test_chat_without_max_tokens_runs_past_16_tokens(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts for the SDK's message TypedDicts
                                        temperature=0)
     assert r.usage is not None
     assert r.usage.completion_tokens > 16, r
@@ -71,7 +71,7 @@ def test_chat_without_max_tokens_runs_past_16_tokens(client: openai.OpenAI) -> N
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts for the SDK's message TypedDicts
                                        temperature=0, max_tokens=12, max_completion_tokens=5)
     assert r.usage is not None and r.usage.completion_tokens == 5
     assert r.choices[0].finish_reason == "length"
@@ -80,14 +80,14 @@ def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> No
 def test_unknown_and_unsupported_fields_are_bad_requests_naming_them(
         client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+        client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts for the SDK's message TypedDicts
                                        max_tokens=2, extra_body={"frobnicate": 1})
     err = info.value
     assert err.code == "unknown_parameter" and err.param == "frobnicate"
     assert "'frobnicate'" in err.message and "Hint:" in err.message
     assert isinstance(err.body, dict) and err.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+        client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[call-overload]  # plain dicts for the SDK's TypedDicts
                                        max_tokens=2, functions=[{"name": "f", "parameters": {}}])
     assert info.value.code == "unsupported_parameter" and info.value.param == "functions"
     assert "not supported yet" in info.value.message
@@ -95,7 +95,7 @@ def test_unknown_and_unsupported_fields_are_bad_requests_naming_them(
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True)
     assert info.value.param == "echo"
     # the ignore list and neutral values are accepted
-    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+    r = client.chat.completions.create(model="smollm2", messages=STORY,  # type: ignore[call-overload]  # plain dicts for the SDK's TypedDicts
                                        max_completion_tokens=2, user="u1", store=False,
                                        metadata={"k": "v"}, presence_penalty=0,
                                        response_format={"type": "text"})

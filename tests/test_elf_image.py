@@ -75,7 +75,7 @@ def test_one_mib_elf_matches_objcopy_and_checks_fast(
 
 def _timed(fn: object) -> float:
     t0 = time.perf_counter()
-    fn()  # type: ignore[operator]  # fn is a callable
+    fn()  # type: ignore[operator]  # the callable the caller passes
     return time.perf_counter() - t0
 
 
@@ -220,7 +220,7 @@ def test_flash_image_is_frozen(fw: firmware.FirmwareBuilder, f405: McuProfile) -
     image = load_elf(fw.elf("good"), f405)
     assert isinstance(image, FlashImage)
     with pytest.raises(AttributeError):
-        image.base = 0  # type: ignore[misc]  # frozen: the assignment must fail
+        image.base = 0  # type: ignore[misc]  # on purpose: a frozen image refuses it
 
 
 # --------------------------------------------------------------------------- QEMU oracle

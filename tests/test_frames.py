@@ -205,7 +205,7 @@ def test_demux_truncated_frame_then_next_frame_is_not_lost() -> None:
     broken = frame(1, "a long token text")[:-6]
     ev = d.feed(broken + frame(2), 0.0)
     assert kinds(ev) == ["FrameError", "Frame"]
-    assert ev[1].rid == 2  # type: ignore[attr-defined]  # the kinds() check above proves it is a Frame
+    assert ev[1].rid == 2  # type: ignore[union-attr]  # ev[1] is the Frame (kinds above)
     assert d.decoder.bad_frames == 1
 
 
@@ -227,7 +227,7 @@ def test_demux_overlong_frame_is_nakked_once_and_link_carries_on() -> None:
     d = fr.PortDemux()
     ev = d.feed(b"\x00" + b"\x01" * (fr.MAX_ENCODED + 50) + b"\x00" + frame(4)[1:], 0.0)
     assert kinds(ev) == ["FrameError", "Frame"]
-    assert ev[0].reason is fr.NakReason.TOO_LONG  # type: ignore[attr-defined]  # the kinds() check above proves it is a FrameError
+    assert ev[0].reason is fr.NakReason.TOO_LONG  # type: ignore[union-attr]  # ev[0] is the FrameError (kinds above)
 
 
 def test_random_noise_never_raises_and_every_bad_frame_is_counted() -> None:

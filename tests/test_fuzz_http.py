@@ -64,7 +64,7 @@ ROUTED = re.compile(r"/v1/requests(/[^/]+(/events)?)?/?")
 
 
 def make_handler() -> Any:
-    router = Router(FakeDaemon())  # type: ignore[arg-type]  # a stand-in for the daemon
+    router = Router(FakeDaemon())  # type: ignore[arg-type]  # a fake with what the routes use
 
     async def handle(req: Request) -> Response | StreamResponse:
         if req.path == "/health":
@@ -310,7 +310,7 @@ def test_schema_accepts_or_refuses_with_a_4xx(body: bytes, chat: bool | None) ->
 @FUZZ
 @given(body=json_bodies())
 def test_router_answers_any_body_with_2xx_or_4xx(body: bytes) -> None:
-    router = Router(FakeDaemon())  # type: ignore[arg-type]  # a stand-in for the daemon
+    router = Router(FakeDaemon())  # type: ignore[arg-type]  # a fake with what the routes use
     reply = asyncio.run(router.handle(Request("POST", "/v1/requests", {}, {}, body)))
     assert isinstance(reply, Response)
     assert 200 <= reply.status < 300 or 400 <= reply.status < 500, reply

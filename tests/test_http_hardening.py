@@ -66,7 +66,7 @@ class Handler:
     """/health answers at once, /slow blocks until released, anything else goes to Router."""
 
     def __init__(self) -> None:
-        self.router = Router(FakeDaemon())  # type: ignore[arg-type]  # a stand-in for the daemon
+        self.router = Router(FakeDaemon())  # type: ignore[arg-type]  # a fake with what the routes use
         self.release = asyncio.Event()
         self.running = 0
 

@@ -231,11 +231,11 @@ def test_migrations_registry_is_ordered_and_atomic(tmp_path: Path) -> None:
     reg = Migrations()
 
     @reg(1)
-    def one(db):  # type: ignore[no-untyped-def]  # a migration step: the registry passes the connection
+    def one(db):
         db.execute("CREATE TABLE a (x INTEGER)")
 
     @reg(2)
-    def two(db):  # type: ignore[no-untyped-def]  # a migration step: the registry passes the connection
+    def two(db):
         db.execute("CREATE TABLE b (x INTEGER)")
         raise RuntimeError("boom")
 

@@ -146,11 +146,11 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
     host = _Host(tmp_path, path)
 
     async def scenario() -> None:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a stand-in for the daemon
+        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
         dj.open()
         a, b = _Rec("req-a"), _Rec("req-b", session="s1")
-        dj.accept(a)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
-        dj.accept(b)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
+        dj.accept(a)  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
+        dj.accept(b)  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
         await _step(dj, a, 10, 11, 12, start=True)
         assert dj.writable and dj.fault is None
         filler = fill(small_fs)
@@ -168,18 +168,18 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
         retry = dict(err.headers)["retry-after"]
         assert int(retry) >= 1
         with pytest.raises(JournalError):  # a request cannot be accepted un-journaled
-            dj.accept(_Rec("req-c"))  # type: ignore[arg-type]  # a stand-in for a RequestRecord
+            dj.accept(_Rec("req-c"))
         # a turn that ends while the journal is full (outside a step): its session history is
         # saved after its end is durable, not before
         b.finish_reason = "cancelled"
-        dj.finished(b)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
+        dj.finished(b)
         assert host.sessions_seen.finished == []
         filler.unlink()
         await _until(lambda: dj.writable, 15.0, "the journal to be writable again")
         assert dj.fault is None and dj.health()["fault"] is None
         await _step(dj, a, 15)
         a.finish_reason = "length"
-        dj.finished(a)  # type: ignore[arg-type]  # a stand-in for a RequestRecord
+        dj.finished(a)
         assert host.sessions_seen.finished == [("req-b", False), ("req-a", True)]
         dj.close()
 
@@ -203,7 +203,7 @@ def test_a_full_disk_at_start_is_a_clear_error(small_fs: Path, tmp_path: Path) -
     filler = fill(small_fs)
 
     async def scenario() -> None:
-        dj = DaemonJournal(_Host(tmp_path, path))  # type: ignore[arg-type]  # a stand-in for the daemon
+        dj = DaemonJournal(_Host(tmp_path, path))  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
         with pytest.raises(JournalError) as failed:
             dj.open()
         text = str(failed.value)

@@ -107,8 +107,8 @@ def test_start_work_does_not_grow_with_the_journal(tmp_path: Path) -> None:
             [recover(s, now=4000.0), s.pending_turns()]))
         steps[name] = (old, new)
         plan, pending = plans
-        assert [r.request.id for r in plan.resume] == ["open-q"]  # type: ignore[attr-defined]  # the recovery plan holds resumable records
-        assert [r.id for r in plan.expired] == ["open-late"]  # type: ignore[attr-defined]  # the recovery plan holds expired records
+        assert [r.request.id for r in plan.resume] == ["open-q"]  # type: ignore[attr-defined]  # plans[0] is the RecoveryPlan
+        assert [r.id for r in plan.expired] == ["open-late"]  # type: ignore[attr-defined]  # plans[0] is the RecoveryPlan
         assert "with 2 token(s) generated" in (store.get_request("open-late").error or "")
         assert pending == ["unsaved"]
         store.close()
@@ -143,7 +143,7 @@ def test_session_turns_are_pending_until_their_history_is_saved(store: JournalSt
     assert store.pending_turns() == ["done-2"]
     # a failed save leaves the mark: the transaction is all or nothing
     with pytest.raises(sqlite3.IntegrityError):
-        store.save_session("a", None, [1], turn="done-2")  # type: ignore[arg-type]  # None on purpose: the database must refuse it
+        store.save_session("a", None, [1], turn="done-2")  # type: ignore[arg-type]  # on purpose: no model
     assert store.pending_turns() == ["done-2"]
 
 
@@ -185,7 +185,7 @@ def test_batched_prune_ends_like_one_pass(tmp_path: Path) -> None:
 @pytest.mark.parametrize("limit", [0, -3, 2.5, "all", True])
 def test_prune_limit_must_be_a_positive_count(store: JournalStore, limit: object) -> None:
     with pytest.raises(JournalError) as err:
-        store.prune(max_finished=1, limit=limit)  # type: ignore[arg-type]  # bad values on purpose: prune must refuse them
+        store.prune(max_finished=1, limit=limit)  # type: ignore[arg-type]  # on purpose: a bad limit
     assert str(err.value) == (
         f"prune: limit {limit!r} is not a positive whole number of rows. Hint: pass e.g. "
         "limit=200, or None for one unbounded pass.")
@@ -268,7 +268,7 @@ def test_daemon_retention_runs_after_ready_in_batches(tmp_path: Path,
     host = _Host(tmp_path, max_finished=7)
 
     async def scenario() -> tuple[int, dict[str, object] | None, int]:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a stand-in for the daemon
+        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
         plan = dj.open()
         assert plan is not None and plan.resume == []
         assert set(dj.start_s) == {"open", "check", "warm", "checked_while", "recover", "total"}
@@ -410,7 +410,7 @@ def test_daemon_retention_forgets_idle_sessions(tmp_path: Path, max_age: float |
     host = _Host(tmp_path, max_finished=10, session_max_age_s=max_age)
 
     async def scenario() -> tuple[dict[str, object], list[str]]:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a stand-in for the daemon
+        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
         dj.open()
         summary = await dj.prune_now()
         assert dj.store is not None

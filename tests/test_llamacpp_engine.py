@@ -236,7 +236,7 @@ def test_numpy_tokenizer_tokenizes_as_llama_cpp(tokenizer: object, parse_special
         for text in ["<|im_start|>user\nHi<|im_end|>\n", "plain text, <|im_end|> inside",
                      "héllo 🙂 <|endoftext|>"]:
             for add_bos in (False, True):
-                ours = tokenizer.tokenize(text, add_bos=add_bos,  # type: ignore[attr-defined]  # the llama.cpp tokenizer's own method
+                ours = tokenizer.tokenize(text, add_bos=add_bos,  # type: ignore[attr-defined]  # the llama.cpp engine's tokenizer
                                           parse_special=parse_special)
                 assert ours == vocab.tokenize(text, add_bos=add_bos,
                                               parse_special=parse_special), text

@@ -216,4 +216,4 @@ def test_missing_file_path() -> None:
 def test_profile_is_frozen() -> None:
     p: McuProfile = load_profile("stm32f405")
     with pytest.raises(AttributeError):
-        p.flash_size = 1  # type: ignore[misc]  # frozen: the assignment must fail
+        p.flash_size = 1  # type: ignore[misc]  # on purpose: a frozen profile refuses it

@@ -50,7 +50,7 @@ def test_budget_rejects_bad_numbers(index: int, value: object, key: str) -> None
     args[index] = value
     expected = rf"model_budget_bytes: {key}=.*expected an integer.*Hint"
     with pytest.raises(ConfigError, match=expected):
-        model_budget_bytes(*args)  # type: ignore[arg-type]  # bad values on purpose: the check must refuse them
+        model_budget_bytes(*args)  # type: ignore[arg-type]  # on purpose: a bad value
 
 
 def test_runner_overhead_is_in_the_budget_and_in_the_cgroup_limits() -> None:

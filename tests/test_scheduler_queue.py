@@ -33,7 +33,7 @@ def job(jid: str, model: str = "m", priority: int = 5, deadline_at: float | None
 def sched(**kw: object) -> Scheduler:
     base: dict[str, object] = {"batch_window_ms": 0, "default_timeout_ms": None}
     base.update(kw)
-    return Scheduler(SchedulerConfig(**base))  # type: ignore[arg-type]  # base holds SchedulerConfig fields
+    return Scheduler(SchedulerConfig(**base))  # type: ignore[arg-type]  # SchedulerConfig's fields, mixed types
 
 
 def ids(jobs: list[Job]) -> list[str]:
@@ -325,7 +325,7 @@ def test_finish_rules() -> None:
     s.take("m", 1, 0.0)
     s.cancel("a", 1.0)
     assert s.finish("a", 2.0, JobState.DONE) is None  # late done after cancel: first end wins
-    assert s.get("a") is not None and s.get("a").state is JobState.CANCELLED  # type: ignore[union-attr]  # get() is not None: checked first
+    assert s.get("a") is not None and s.get("a").state is JobState.CANCELLED  # type: ignore[union-attr]  # not None: checked first
     s.submit(job("b"), 3.0)
     failed = s.finish("b", 3.5, JobState.FAILED, "model failed to load")
     assert failed is not None and failed.error == "model failed to load"
@@ -389,7 +389,7 @@ def test_finished_jobs_are_forgotten_after_keep_finished() -> None:
 def test_submit_rejects_bad_priority(prio: object) -> None:
     s = sched()
     bad = job("p")
-    bad.priority = prio  # type: ignore[assignment]  # a bad value on purpose: the queue must refuse it
+    bad.priority = prio  # type: ignore[assignment]  # on purpose: a bad priority
     with pytest.raises(JobError, match=r"submit job 'p': priority .* out of range.*from 0 to 10"):
         s.submit(bad, 0.0)
     assert s.depth == 0
@@ -429,7 +429,7 @@ def test_submit_rejects_duplicate_and_used_jobs() -> None:
 )
 def test_config_rejects_bad_values(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=rf"scheduler\.{key} = .*expected .*Hint: fix"):
-        SchedulerConfig(**{key: value})  # type: ignore[arg-type]  # a bad value on purpose: the config must refuse it
+        SchedulerConfig(**{key: value})  # type: ignore[arg-type]  # on purpose: a bad value
 
 
 def test_config_defaults() -> None:

@@ -264,7 +264,7 @@ def test_chat_template_fallbacks(metadata: dict[str, Any]) -> None:
     escaped = bare.replace("{% for", "{{ '<|im_start|>system\\nBe nice.<|im_end|>\\n' }}{% for")
     assert Tokenizer.from_metadata(
         _variant(metadata, tokenizer__chat_template=escaped)
-    ).chat_template.default_system == "Be nice."  # type: ignore[union-attr]  # this metadata has a chat template
+    ).chat_template.default_system == "Be nice."  # type: ignore[union-attr]  # this vocabulary has a chat template
     llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"
     other = Tokenizer.from_metadata(_variant(metadata, tokenizer__chat_template=llama3),
                                     source="/m/x.gguf")

@@ -184,7 +184,7 @@ class Peer:
 
 
 def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(coro_fn())  # type: ignore[arg-type]  # the tests' async functions return coroutines
+    asyncio.run(coro_fn())  # type: ignore[arg-type]  # the tests pass async functions
 
 
 def open_pty() -> tuple[int, str]:

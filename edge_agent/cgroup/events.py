@@ -78,7 +78,7 @@ class Inotify:
         if fd < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"inotify_init1: {os.strerror(e)}")
-        self.fd = fd
+        self.fd: int = fd
 
     def fileno(self) -> int:
         return self.fd
@@ -95,7 +95,7 @@ class Inotify:
 
     def read(self) -> list[tuple[int, int]]:
         """(wd, mask) of every queued event; [] when none."""
-        out = []
+        out: list[tuple[int, int]] = []
         while True:
             try:
                 buf = os.read(self.fd, 4096)

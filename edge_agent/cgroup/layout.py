@@ -286,7 +286,7 @@ class CgroupManager:
 
     def teardown(self) -> list[str]:
         """At exit: remove every model group and models/; returns the errors (never raises)."""
-        errors = []
+        errors: list[str] = []
         if not self.available:
             return errors
         for name in [*self.groups, *self.fs.children(self._rel(MODELS))]:

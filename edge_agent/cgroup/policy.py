@@ -14,6 +14,7 @@ Invariants owned here:
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,10 @@ from edge_agent.cgroup.stages import StageConfig
 from edge_agent.cgroup.values import Limit, Trigger, parse_limit, parse_trigger, resolve, to_kernel
 from edge_agent.errors import ConfigError
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]  # the same API under its 3.10 backport's name
+else:  # Python 3.10
+    import tomli as tomllib
 
 __all__ = ["Policy", "ModelPolicy", "SupervisorPolicy", "PressurePolicy", "load_policy",
            "list_policies", "policy_dirs", "DEFAULT_POLICY", "SCHEMA"]

@@ -106,7 +106,7 @@ def has_cap_sys_resource(status_text: str | None = None) -> bool:
 def unprivileged_triggers(release: str) -> bool:
     """Linux >= 6.5 lets a process without CAP_SYS_RESOURCE arm a trigger (2 s windows)."""
     m = re.match(r"(\d+)\.(\d+)", release)
-    return bool(m) and (int(m.group(1)), int(m.group(2))) >= UNPRIVILEGED_SINCE
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= UNPRIVILEGED_SINCE
 
 
 def _window(payload: bytes | None) -> int | None:

@@ -82,7 +82,7 @@ def run_show(args: argparse.Namespace, out: TextIO | None = None) -> int:
         f"our cgroup:  {d.cgroup or '-'}" + (" (already set up)" if d.already_set_up else ""),
         f"controllers: {' '.join(d.controllers) or '-'}",
         f"subtree:     {' '.join(d.subtree_control) or '-'}",
-        f"writable:    {({True: 'yes', False: 'no'}).get(d.writable, '-')}",
+        f"writable:    {'-' if d.writable is None else ('yes' if d.writable else 'no')}",
         f"PSI:         {d.psi} ({d.psi_detail})",
     ]
     p = snap["pressure"]

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -97,7 +98,7 @@ def _inline(table: dict[str, Any]) -> str:
     return ", ".join(f"{k}={_scalar(v)}" for k, v in table.items()) or "-"
 
 
-def _table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str = "") -> list[str]:
     """Rows as left-aligned columns two spaces apart (the first row is the header)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

@@ -21,7 +21,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from edge_agent.errors import EXIT_OK, UsageError
 from edge_agent.paths import state_dir
@@ -238,7 +238,7 @@ def generate_daemon(
     err = err if err is not None else sys.stderr
     print(f"edge-agent: generating through the daemon on {client.socket_path} "
           "(--local runs in this process)", file=err)
-    body: dict[str, object] = {
+    body: dict[str, Any] = {  # JSON fields, stream_completion's **params
         "max_tokens": params.max_tokens, "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
     }

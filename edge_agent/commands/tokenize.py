@@ -58,6 +58,7 @@ def _read_input(arg: str) -> str:
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     stripped = text.strip()
+    ids: list[int]  # from JSON: each value is checked to be an int below
     try:
         if stripped.startswith("["):
             ids = json.loads(stripped)

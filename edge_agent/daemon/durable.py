@@ -55,7 +55,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.journal import (
@@ -409,10 +409,12 @@ class DaemonJournal:
         deadline = None
         if job.deadline_at is not None:
             deadline = time.time() + (job.deadline_at - time.monotonic())
+        # the scheduler keeps params opaque; the daemon's jobs carry sampling_dict()'s dict
+        params = cast(dict[str, Any], job.params)
         try:
             self.store.add_request(id=job.id, model=rec.model,
                                    input=_request_input(rec.request),
-                                   prompt_ids=list(job.prompt_ids), params=dict(job.params),
+                                   prompt_ids=list(job.prompt_ids), params=dict(params),
                                    priority=job.priority, deadline=deadline,
                                    session=rec.request.session)
         except JournalConflictError:

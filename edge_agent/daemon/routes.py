@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from edge_agent.daemon import structured
 from edge_agent.daemon.ollama import OllamaRoutes
@@ -59,6 +59,15 @@ OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POS
                  "/api/generate, /api/show (docs/api.md).")
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
+
+
+class _ChunkIds(TypedDict):
+    """The `completion_chunk` arguments every chunk of one stream shares."""
+
+    rid: str
+    model: str
+    created: int
+    chat: bool
 
 
 def _json(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
@@ -151,7 +160,7 @@ class Router:
             return Response(503, ApiError(503, "unavailable", str(exc)).body())
 
     # -- status --------------------------------------------------------------------------------
-    async def health(self, req: Request) -> Reply:
+    async def health(self, req: Request) -> Response:
         d = self.d
         status = d.status()
         models = {n: s.to_dict() for n, s in d.services.items()}
@@ -271,8 +280,8 @@ class Router:
 
     async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:
         usage = rec.request.include_usage
-        common = {"rid": rec.id, "model": rec.model, "created": rec.created,
-                  "chat": rec.request.chat}
+        common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
+                             "chat": rec.request.chat}
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)

@@ -56,7 +56,7 @@ def _native(tok: Any) -> tuple[bool, bool]:
     """(the chat template renders tools, its calls are <tool_call> blocks)."""
     template = getattr(tok, "chat_template", None)
     render = getattr(template, "render", None)
-    if render is None or not hasattr(template, "tool_use_template"):
+    if template is None or render is None or not hasattr(template, "tool_use_template"):
         return False, False  # the numpy engine's ChatML: no tools
     probe = [{"role": "user", "content": "x"}]
     tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]

@@ -9,6 +9,8 @@ tests/test_rooms.py). The control plane is the only writer; the CLI opens the fi
 
 from __future__ import annotations
 
+from typing import Any
+
 from edge_agent.journal.db import (
     DEFAULT_SYNC,
     JOURNAL_FILE,
@@ -50,6 +52,6 @@ __all__ = [
 ]
 
 
-def open_store(path: str, **kwargs: object) -> JournalStore:
+def open_store(path: str, **kwargs: Any) -> JournalStore:
     """`JournalStore(open_journal(path, **kwargs))`."""
-    return JournalStore(open_journal(path, **kwargs))  # type: ignore[arg-type]  # open_journal's keywords, passed through
+    return JournalStore(open_journal(path, **kwargs))

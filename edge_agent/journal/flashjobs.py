@@ -105,9 +105,9 @@ class FlashJobs:
 
     def get(self, job_id: int) -> FlashJob | None:
         conn = self.journal.conn
-        row = conn.execute("SELECT id, image_sha256, board, port, state, created_at, "
-                           "updated_at, error FROM flash_jobs WHERE id = ?",
-                           (job_id,)).fetchone()
+        row: tuple[int, str, str, str, str, float, float, str | None] | None = conn.execute(
+            "SELECT id, image_sha256, board, port, state, created_at, updated_at, error FROM "
+            "flash_jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             return None
         sectors = [FlashSector(*r) for r in conn.execute(

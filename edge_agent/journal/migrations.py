@@ -167,8 +167,8 @@ def initial(db: sqlite_utils.Database) -> None:
             finish_reason TEXT,
             error TEXT
         )""")
-    db["requests"].create_index(["state", "finished_at"], index_name="requests_state")
-    db["requests"].create_index(["session"], index_name="requests_session")
+    db.table("requests").create_index(["state", "finished_at"], index_name="requests_state")
+    db.table("requests").create_index(["session"], index_name="requests_session")
     db.execute("""
         CREATE TABLE tokens (
             request_id TEXT NOT NULL REFERENCES requests(id) ON DELETE CASCADE,
@@ -177,24 +177,24 @@ def initial(db: sqlite_utils.Database) -> None:
             text_offset INTEGER NOT NULL,
             PRIMARY KEY (request_id, idx)
         ) WITHOUT ROWID""")
-    db["sessions"].create(
+    db.table("sessions").create(
         {"id": str, "model": str, "history": bytes, "n_tokens": int, "turns": int,
          "created_at": float, "updated_at": float},
         pk="id", not_null={"model", "history", "created_at", "updated_at"},
         defaults={"n_tokens": 0, "turns": 0},
     )
-    db["sessions"].create_index(["updated_at"], index_name="sessions_updated")
-    db["tokenizer_cache"].create(
+    db.table("sessions").create_index(["updated_at"], index_name="sessions_updated")
+    db.table("tokenizer_cache").create(
         {"model_sha256": str, "fingerprint": str, "data": bytes, "created_at": float},
         pk=("model_sha256", "fingerprint"), not_null={"data", "created_at"},
     )
-    db["models"].create(
+    db.table("models").create(
         {"name": str, "path": str, "sha256": str, "size": int, "mtime_ns": int,
          "prepared_path": str, "last_load_at": float, "last_load_s": float,
          "last_failure": str, "last_failure_at": float, "updated_at": float},
         pk="name",
     )
-    db["flash_jobs"].create(
+    db.table("flash_jobs").create(
         {"id": int, "image_sha256": str, "board": str, "port": str, "state": str,
          "created_at": float, "updated_at": float, "error": str},
         pk="id", not_null={"image_sha256", "board", "port", "state", "created_at"},
@@ -210,7 +210,7 @@ def initial(db: sqlite_utils.Database) -> None:
             updated_at REAL NOT NULL,
             PRIMARY KEY (job_id, sector)
         ) WITHOUT ROWID""")
-    db["events"].create({"id": int, "at": float, "kind": str, "message": str}, pk="id",
+    db.table("events").create({"id": int, "at": float, "kind": str, "message": str}, pk="id",
                         not_null={"at", "kind", "message"})
 
 

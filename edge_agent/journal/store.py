@@ -56,7 +56,7 @@ class Token(NamedTuple):
     after it (`text_offset`: bytes of output text emitted once this token was pushed)."""
 
     request_id: str
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index(), which nothing here calls
     token_id: int
     text_offset: int
 

@@ -252,7 +252,8 @@ def _parse_gen(rest: str) -> Command:
     text = rest.strip()
     if not text:
         raise CommandError("gen: no text to generate from. Hint: gen Tell me about UARTs")
-    return Command("gen", text, GenOptions(**values))  # type: ignore[arg-type]  # values holds only the GenOptions fields parsed above
+    options = GenOptions(**values)  # type: ignore[arg-type]  # _OPTS gives each key its type
+    return Command("gen", text, options)
 
 
 def parse_command(line: str) -> Command:

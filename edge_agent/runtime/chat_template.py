@@ -41,7 +41,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -112,6 +112,9 @@ class RenderLimits:
 
 # -- the bounded sandbox ------------------------------------------------------------------------
 
+_T = TypeVar("_T")
+
+
 class _Exceeded(Exception):
     """Raised inside a render when a bound is reached; mapped to ChatTemplateLimitError."""
 
@@ -133,7 +136,7 @@ class _Budget:
             raise _Exceeded(f"{what} would build a value of about {size} characters or items, "
                             f"more than the limit of {self.limits.max_chars}")
 
-    def check(self, value: Any, what: str) -> Any:
+    def check(self, value: _T, what: str) -> _T:
         self.ensure(self.size(value), what)
         return value
 
@@ -209,7 +212,7 @@ def _percent_estimate(fmt: str | bytes, args: Any) -> int:
     return len(text) + len(specs) * _largest(args) + widths + stars
 
 
-def _format_estimate(fmt: str, args: tuple, kwargs: Mapping[str, Any]) -> int:
+def _format_estimate(fmt: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     """Upper bound on the size of `fmt.format(*args, **kwargs)`, as for `%`."""
     values = [*args, *kwargs.values()]
     total = len(fmt)
@@ -224,7 +227,8 @@ def _format_estimate(fmt: str, args: tuple, kwargs: Mapping[str, Any]) -> int:
     return total
 
 
-def _str_method_estimate(method: Any, args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+def _str_method_estimate(method: Any, args: tuple[Any, ...],
+                         kwargs: Mapping[str, Any]) -> int | None:
     """Upper bound on what a str/bytes method builds, for the methods that can multiply size."""
     s, name = method.__self__, method.__name__
     n = len(s)
@@ -233,7 +237,8 @@ def _str_method_estimate(method: Any, args: tuple, kwargs: Mapping[str, Any]) ->
         return max(n, a[0])
     if name == "expandtabs":
         tab = a[0] if a and isinstance(a[0], int) else 8
-        return n + s.count("\t" if isinstance(s, str) else b"\t") * max(tab, 0)
+        tabs: int = s.count("\t" if isinstance(s, str) else b"\t")
+        return n + tabs * max(tab, 0)
     if name == "replace" and len(a) >= 2 and isinstance(a[0], type(s)) and isinstance(
             a[1], type(s)):
         count = n + 1 if not a[0] else s.count(a[0])
@@ -247,10 +252,10 @@ def _str_method_estimate(method: Any, args: tuple, kwargs: Mapping[str, Any]) ->
 class _TemplateDict:
     """`dict` for templates: calling it builds a dict; no class attributes to climb through."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
@@ -326,7 +331,7 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _filter_estimate(name: str, args: tuple, kwargs: dict[str, Any]) -> int | None:
+def _filter_estimate(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """Upper bound on what the filters that can multiply size build (args without pass-arg)."""
     size = _budget().size
     a = list(args) + list(kwargs.values())
@@ -342,8 +347,9 @@ def _filter_estimate(name: str, args: tuple, kwargs: dict[str, Any]) -> int | No
         return _str_method_estimate(str(a[0]).replace, (str(a[1]), str(a[2])), {})
     if name == "wordwrap":
         wrap = kwargs.get("wrapstring", args[3] if len(args) > 3 else None) or "\n"
+        columns: int = kwargs.get("width", args[1] if len(args) > 1 else 79)
         return len(first) + (first.count(" ") + first.count("\n") + len(first) // max(
-            kwargs.get("width", args[1] if len(args) > 1 else 79), 1) + 1) * len(str(wrap))
+            columns, 1) + 1) * len(str(wrap))
     if name == "format" and a and isinstance(a[0], str):
         return _percent_estimate(a[0], list(args[1:]) + list(kwargs.values()))
     if name in ("batch", "slice"):
@@ -365,7 +371,7 @@ def _depth(value: Any, limit: int = 64) -> int:
     """Nesting depth of lists/dicts (capped), for the indentation json.dumps adds."""
     depth, level = 0, [value]
     while level and depth < limit:
-        nxt = []
+        nxt: list[Any] = []
         for v in level:
             if isinstance(v, dict):
                 nxt.extend(v.values())
@@ -454,12 +460,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         what = f"the call of {getattr(__obj, '__name__', type(__obj).__name__)!r}"
         for value in (*args, *kwargs.values()):
             budget.check(value, what)
-        if isinstance(__obj, types.BuiltinMethodType) and isinstance(
-                getattr(__obj, "__self__", None), (str, bytes)):
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(__obj, types.BuiltinMethodType) and isinstance(owner, (str, bytes)):
             if __obj.__name__ == "join" and args and not isinstance(args[0], Sequence):
                 args = (list(args[0]), *args[1:])
             if __obj.__name__ == "join" and args:
-                budget.ensure(budget.size(args[0]) + len(args[0]) * len(__obj.__self__), what)
+                budget.ensure(budget.size(args[0]) + len(args[0]) * len(owner), what)
             estimate = _str_method_estimate(__obj, args, kwargs)
             if estimate is not None:
                 budget.ensure(estimate, what)
@@ -491,11 +497,11 @@ def _environment() -> _Sandbox:
         )
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
                    extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.concat = _concat  # type: ignore[method-assign]  # our concat bounds the output size
+    env.concat = _concat  # type: ignore[method-assign]  # jinja's hook: set per environment
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.globals["range"] = _range
-    env.globals["lipsum"] = _bounded_lipsum(env.globals["lipsum"])
+    env.globals["lipsum"] = _bounded_lipsum(jinja2.utils.generate_lorem_ipsum)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -604,7 +610,8 @@ def _check_list_of_objects(value: Any, name: str) -> list[Any] | None:
             isinstance(v, Mapping) for v in value):
         raise ChatMessageError(f"{name!r} must be a list of objects, got {value!r:.200}. "
                                f"Hint: send {name} as a JSON array of objects.")
-    return _plain(list(value), name)
+    plain: list[Any] = _plain(list(value), name)  # a list rebuilt is a list
+    return plain
 
 
 # -- the template -------------------------------------------------------------------------------

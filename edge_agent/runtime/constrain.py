@@ -89,7 +89,7 @@ def check_grammar(grammar: str) -> str | None:
     """None when `grammar` compiles, else why not (the library's message, one line)."""
     llg = _llg()
     try:
-        err = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar))
+        err: str = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(grammar))
     except (ValueError, TypeError) as exc:
         err = str(exc)
     if not err:

@@ -175,7 +175,8 @@ class Engine:
 
     def warmup_ids(self) -> list[int]:
         """A one-token prompt for the warm-up forward."""
-        return [1 if self.tokenizer is None else int(self.tokenizer.bos_id)]
+        bos = None if self.tokenizer is None else self.tokenizer.bos_id
+        return [1 if bos is None else bos]
 
     def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
         """True: this engine computes each sequence's rows with the same BLAS calls whatever
@@ -217,7 +218,10 @@ class Engine:
     def _limits(self) -> contextlib.AbstractContextManager[Any]:
         if self._ctl is None:
             return contextlib.nullcontext()
-        return self._ctl.limit(limits=self.threads, user_api="blas")
+        # threadpoolctl is untyped; limit() returns its threadpool_limits context manager
+        limits: contextlib.AbstractContextManager[Any] = self._ctl.limit(
+            limits=self.threads, user_api="blas")
+        return limits
 
     # -- step API -------------------------------------------------------------------------
 
@@ -385,7 +389,8 @@ class Engine:
 
     # -- one-request conveniences ---------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+    def generate(self, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> Generator[int, None, None]:
         """Token ids of one completion: stops after max_tokens, or before a stop token
         (eos) unless params.ignore_eos. Releases its blocks when exhausted or closed."""
         return generate(self, f"_generate-{next(self._ids)}", prompt_ids, params)
@@ -405,7 +410,7 @@ class Engine:
 
 
 def generate(engine: Any, seq_id: str, prompt_ids: Sequence[int],
-             params: SamplingParams) -> Iterator[int]:
+             params: SamplingParams) -> Generator[int, None, None]:
     """One completion on either engine as sequence `seq_id`: stops after max_tokens, at the
     context, or before a stop token (eos) unless params.ignore_eos; released when exhausted or
     closed."""

@@ -11,6 +11,7 @@ Invariants this module owns:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,7 +112,7 @@ class BlockPool:
         blocks = np.asarray(table.blocks, dtype=np.intp)[pos // self.block_size]  # (n,)
         return blocks, pos % self.block_size
 
-    def step_slots(self, tables: list[BlockTable], n: int) -> tuple[np.ndarray, np.ndarray]:
+    def step_slots(self, tables: Sequence[BlockTable], n: int) -> tuple[np.ndarray, np.ndarray]:
         """(block ids, offsets), each (B*n,), of the next `n` positions of every table.
 
         Table-major order (table 0's n slots, then table 1's, ...); the positions start at each

@@ -224,8 +224,8 @@ class LlamaVocab:
         return raw
 
     def token_text(self, token_id: int) -> str:
-        return self._lib.llama_vocab_get_text(self._vocab, self._check_id(token_id)).decode(
-            "utf-8", "replace")
+        text: bytes = self._lib.llama_vocab_get_text(self._vocab, self._check_id(token_id))
+        return text.decode("utf-8", "replace")
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return b"".join(self.token_bytes(t) for t in ids

@@ -31,7 +31,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ class LlamaCppEngine:
                 report["error"] = memlock.lock_failure_message(
                     f"{self.path} (llama.cpp weights)", self._region_bytes, err, env)
                 if self.mlock_policy == "required":
-                    from edge_agent.runtime.weights import MemoryLockError
+                    from edge_agent.errors import MemoryLockError
 
                     raise MemoryLockError(report["error"])
                 log.warning("serving UNLOCKED weights (mlock policy best-effort): "
@@ -496,7 +496,8 @@ class LlamaCppEngine:
         return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
 
     # -- one-request conveniences (edge-agent generate --local, tests) ------------------------
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+    def generate(self, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> Generator[int, None, None]:
         from edge_agent.runtime.engine import generate
 
         return generate(self, f"_generate-{next(self._ids)}", prompt_ids, params)

@@ -77,4 +77,5 @@ def matmul_wt(x: np.ndarray, w: np.ndarray, *, slabs: bool = False) -> np.ndarra
             if whole < n_out:
                 np.matmul(xc, w[whole:].T, out=out[:, whole:])
             return out  # (N, out)
-    return (w @ x.T).T  # (N, out)
+    out_t: np.ndarray = (w @ x.T).T  # (N, out)
+    return out_t

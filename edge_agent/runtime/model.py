@@ -123,7 +123,7 @@ class Llama:
 
     def _rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         # Same arithmetic as mean(x*x) then x / sqrt(ms + eps) * w, with fewer temporaries.
-        sq = np.square(x)  # (N, D)
+        sq: np.ndarray = np.square(x)  # (N, D)
         ms = np.add.reduce(sq, axis=-1, keepdims=True)  # (N, 1)
         ms /= np.float32(x.shape[-1])
         ms += np.float32(self.config.rms_eps)

@@ -63,7 +63,7 @@ class ModelConfig:
         if vocab is None and "tokenizer.ggml.tokens" in metadata:
             vocab = len(metadata["tokenizer.ggml.tokens"])
         if vocab is None:
-            get("vocab_size")  # raises naming the key
+            vocab = get("vocab_size")  # raises naming the key
         scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
         problems = []
         if n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads:

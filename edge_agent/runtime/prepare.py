@@ -251,7 +251,7 @@ def _write_tensor(g: GGUFFile, fd: int, t: PreparedTensor, done: int, total: int
                     "Hint: prepare this model with --dtype f32."
                 )
             values = converted
-        _pwrite_all(fd, memoryview(values).cast("B"), pos)
+        _pwrite_all(fd, values.data.cast("B"), pos)
         pos += values.nbytes
         done += values.nbytes
         if progress:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 __all__ = ["ALL_TYPES", "GGMLType", "TYPES", "dequantize", "tensor_nbytes", "type_by_id",
            "type_info", "type_name"]
@@ -26,9 +27,13 @@ class GGMLType:
     kernel: Callable[[np.ndarray], np.ndarray] | None
 
 
-def _scale(blocks: np.ndarray, start: int) -> np.ndarray:
+# `own: np.ndarray = x.copy()` below: numpy's stubs type copy() as returning `Self`, which is Any
+# when read as Python 3.10's; the annotation keeps the array type.
+
+def _scale(blocks: np.ndarray, start: int) -> NDArray[np.float32]:
     # (n, 2) bytes -> (n, 1) f32 from an f16 field
-    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+    own: np.ndarray = blocks[:, start : start + 2].copy()
+    return own.view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -37,15 +42,18 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _f32(blocks: np.ndarray) -> np.ndarray:
-    return blocks.copy().view(np.float32)
+    own: np.ndarray = blocks.copy()
+    return own.view(np.float32)
 
 
 def _f16(blocks: np.ndarray) -> np.ndarray:
-    return blocks.copy().view(np.float16).astype(np.float32)
+    own: np.ndarray = blocks.copy()
+    return own.view(np.float16).astype(np.float32)
 
 
 def _bf16(blocks: np.ndarray) -> np.ndarray:
-    return (blocks.copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    own: np.ndarray = blocks.copy()
+    return (own.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -69,20 +77,23 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     # (n, 4) uint8 little-endian u32 -> (n, 32) bits, bit j is element j's fifth bit
-    bits = qh.copy().view("<u4")  # (n, 1)
+    own: np.ndarray = qh.copy()
+    bits = own.view("<u4")  # (n, 1)
     return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
 
 
 def _q5_0(blocks: np.ndarray) -> np.ndarray:
     d = _scale(blocks, 0)
-    q = (_nibbles(blocks[:, 6:22]) | _high_bits(blocks[:, 2:6])).astype(np.int8) - 16
+    q5: NDArray[np.uint8] = _nibbles(blocks[:, 6:22]) | _high_bits(blocks[:, 2:6])  # (n, 32)
+    q = q5.astype(np.int8) - 16
     return q.astype(np.float32) * d
 
 
 def _q5_1(blocks: np.ndarray) -> np.ndarray:
     d = _scale(blocks, 0)
     m = _scale(blocks, 2)
-    q = (_nibbles(blocks[:, 8:24]) | _high_bits(blocks[:, 4:8])).astype(np.float32)
+    q5: NDArray[np.uint8] = _nibbles(blocks[:, 8:24]) | _high_bits(blocks[:, 4:8])  # (n, 32)
+    q = q5.astype(np.float32)
     return q * d + m
 
 

@@ -33,7 +33,7 @@ import serial.serialposix
 try:
     import termios
 except ImportError:  # pragma: no cover - not POSIX
-    termios = None  # type: ignore[assignment]  # None marks a platform without termios
+    termios = None  # type: ignore[assignment]  # None: this platform has no termios
 
 from edge_agent.errors import ConfigError
 

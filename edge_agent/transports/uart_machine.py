@@ -93,11 +93,11 @@ class MachineSession:
             self._send(fr.FrameType.ACK, f.rid)
             self._stream_frames(f.rid, rid, 0)
         elif t in (fr.FrameType.CANCEL, fr.FrameType.RESUME):
-            rid = self._rids.get(f.rid)
-            if rid is None:
+            if f.rid not in self._rids:
                 self._error(f.rid, "not_found", f"no request with id {f.rid} on this port. "
                             "Hint: ids are kept for the last 256 GENERATE frames.")
                 return
+            rid = self._rids[f.rid]
             if t == fr.FrameType.CANCEL:
                 self.backend.cancel(rid)
                 self._send(fr.FrameType.ACK, f.rid)

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import time
 import urllib.parse
+from typing import TYPE_CHECKING, Any
 
 from serial.serialutil import PortNotOpenError, SerialBase, SerialException
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from firmware_tools.simulator import Stm32Simulator
 
 __all__ = ["Serial"]
 
@@ -23,8 +29,8 @@ __all__ = ["Serial"]
 class Serial(SerialBase):
     """A serial port whose far end is a `firmware_tools.simulator.Stm32Simulator`."""
 
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
-        self.sim = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sim: Stm32Simulator | None = None
         super().__init__(*args, **kwargs)
 
     def open(self) -> None:
@@ -32,11 +38,11 @@ class Serial(SerialBase):
 
         if self.is_open:
             raise SerialException("Port is already open.")
-        if self._port is None:
+        if self.port is None:
             raise SerialException("Port must be configured before it can be used.")
-        parts = urllib.parse.urlsplit(self._port)
+        parts = urllib.parse.urlsplit(self.port)
         if parts.scheme != "stm32sim":
-            raise SerialException(f"expected a stm32sim:// URL, got {self._port!r}")
+            raise SerialException(f"expected a stm32sim:// URL, got {self.port!r}")
         query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
         options = {k: ",".join(v) for k, v in query.items()}
         try:
@@ -52,7 +58,7 @@ class Serial(SerialBase):
     def _reconfigure_port(self) -> None:
         """Any baud rate and parity are accepted (the simulator has no UART to mis-set)."""
 
-    def _live(self):  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
+    def _live(self) -> Stm32Simulator:
         if not self.is_open or self.sim is None:
             raise PortNotOpenError()
         if self.sim.dropped:
@@ -70,7 +76,7 @@ class Serial(SerialBase):
         if size <= 0:
             return b""
         limit = 1 if sim.faults.bytewise else size
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         out = bytearray()
         while True:
             now = time.monotonic()
@@ -90,7 +96,7 @@ class Serial(SerialBase):
             self._live()
         return bytes(out)
 
-    def write(self, data) -> int:  # type: ignore[no-untyped-def]  # pyserial's SerialBase is untyped
+    def write(self, data: ReadableBuffer) -> int:
         sim = self._live()
         data = bytes(data)
         sim.receive(data, time.monotonic())

@@ -21,6 +21,10 @@ import sys
 import time
 import tty
 import urllib.parse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from firmware_tools.simulator import Stm32Simulator
 
 __all__ = ["main", "serve_fd", "open_pty"]
 
@@ -32,7 +36,8 @@ def open_pty() -> tuple[int, int, str]:
     return master, slave, os.ttyname(slave)
 
 
-def serve_fd(sim, read_fd: int, write_fd: int, *, stop_on_eof: bool = True) -> str:  # type: ignore[no-untyped-def]  # sim is a Stm32Simulator, imported lazily
+def serve_fd(sim: Stm32Simulator, read_fd: int, write_fd: int, *,
+             stop_on_eof: bool = True) -> str:
     """Pump bytes between the fd and the simulator until EOF or a link drop; returns why."""
     while True:
         now = time.monotonic()
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"commands: {len(sim.log)}", file=sys.stderr)
 
 
-def _serve(args: argparse.Namespace, sim) -> int:  # type: ignore[no-untyped-def]  # sim is a Stm32Simulator, imported lazily
+def _serve(args: argparse.Namespace, sim: Stm32Simulator) -> int:
     if args.pty:
         master, slave, path = open_pty()
         print(path, flush=True)

@@ -228,7 +228,7 @@ class Arm64Guest(QemuGuest):
     def __init__(self, command: str, *, uart: bool = False, mount: str = "rw",
                  image: GuestImage | None = None, cpu: str = "cortex-a72",
                  extra_initrds: Sequence[Path] = (), **kwargs: object) -> None:
-        super().__init__(command, **kwargs)  # type: ignore[arg-type]  # kwargs are the base guest's keywords
+        super().__init__(command, **kwargs)  # type: ignore[arg-type]  # Guest's keywords, checked there
         self.uart = uart
         self.mount = mount
         self.image = image
@@ -300,5 +300,5 @@ class Arm64Guest(QemuGuest):
 
 def run_arm64(command: str, *, timeout: float = 120.0, **kwargs: object) -> GuestResult:
     """Boot, run `command`, power off; the result (raises GuestTimeout after `timeout`)."""
-    with Arm64Guest(command, **kwargs) as guest:  # type: ignore[arg-type]  # kwargs are the guest's keywords
+    with Arm64Guest(command, **kwargs) as guest:  # type: ignore[arg-type]  # Arm64Guest's keywords, checked there
         return guest.wait(timeout)

@@ -141,7 +141,7 @@ def _run(cmd: list[str], what: str, log_path: Path, **kw: object) -> None:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
-                           **kw)  # type: ignore[call-overload]  # kw carries subprocess.run keywords
+                           **kw)  # type: ignore[call-overload]  # subprocess.run's keywords, passed on
     if p.returncode != 0:
         tail = log_path.read_bytes()[-2500:].decode("utf-8", "replace")
         raise HarnessError(f"{what}: exited {p.returncode}. Log tail: {tail}. Hint: the full "

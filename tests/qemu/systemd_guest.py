@@ -37,7 +37,7 @@ class SystemdGuest(QemuGuest):
     def __init__(self, command: str, *, image: SystemdImage | None = None,
                  files: Mapping[str, bytes] | None = None, null_modem: bool = False,
                  **kwargs: object) -> None:
-        super().__init__(command, files=files, **kwargs)  # type: ignore[arg-type]  # kwargs are the base guest's keywords
+        super().__init__(command, files=files, **kwargs)  # type: ignore[arg-type]  # Guest's keywords, checked there
         self.image = image
         self.null_modem = null_modem
         self.payload: Path | None = None
@@ -104,5 +104,5 @@ class SystemdGuest(QemuGuest):
 
 def run_systemd(command: str, *, timeout: float = 180.0, **kwargs: object) -> GuestResult:
     """Boot, run `command` once systemd is up, power off; the GuestResult."""
-    with SystemdGuest(command, **kwargs) as guest:  # type: ignore[arg-type]  # kwargs are the guest's keywords
+    with SystemdGuest(command, **kwargs) as guest:  # type: ignore[arg-type]  # SystemdGuest's keywords, checked there
         return guest.wait(timeout)
