@@ -394,3 +394,23 @@ def test_schema_frame_payloads() -> None:
         fr.unpack_schema(b"\x07\xfe")
     frame = fr.decode_body(fr.encode_frame(fr.FrameType.SCHEMA, 9, b"\x01{}")[1:-1])
     assert frame == fr.Frame(fr.FrameType.SCHEMA, 9, b"\x01{}")
+
+
+def test_extension_worked_example_bytes_from_docs_serial() -> None:
+    """docs/serial.md's SCHEMA + GENERATE-with-extension example, byte for byte."""
+    doc = SERIAL_DOC.read_text(encoding="utf-8")
+    schema = fr.encode_frame(fr.FrameType.SCHEMA, 9, fr.pack_schema(1, {"type": "object"}))
+    g = fr.Generate("Hi", max_tokens=64, chat=True, top_k=40, schema_id=1)
+    gen = fr.encode_frame(fr.FrameType.GENERATE, 10, fr.pack_generate(g))
+    assert f"SCHEMA wire : {schema.hex(' ')}" in doc
+    assert f"GENERATE wire: {gen.hex(' ')}" in doc
+    for name, wire in (("SCHEMA raw  ", schema), ("GENERATE raw", gen)):
+        line = next(x for x in doc.splitlines() if x.startswith(name + ":"))
+        fields, crc = line.split(":", 1)[1].split("| crc")
+        raw = bytes.fromhex(fields.replace("|", ""))
+        assert fr.cobs_decode(wire[1:-1]) == raw + bytes.fromhex(crc)
+        assert int.from_bytes(bytes.fromhex(crc), "little") == crc32_bitwise(raw)
+    frame = fr.decode_body(gen[1:-1])
+    assert isinstance(frame, fr.Frame) and fr.unpack_generate(frame.payload) == g
+    assert "`ext_len` `0b 00` = 11 bytes" in doc  # the walk-through matches the bytes
+    assert fr.pack_generate(g)[14:16] == b"\x0b\x00"
