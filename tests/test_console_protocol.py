@@ -106,8 +106,27 @@ def test_binary_noise_control_bytes_are_an_error() -> None:
     ("gen --max-tokens 12 --temperature=0.5 --seed 7 --priority 9 Tell me",
      con.Command("gen", "Tell me", con.GenOptions(12, 0.5, 7, 9))),
     ("gen -- --not-an-option", con.Command("gen", "--not-an-option")),
+    ("gen --top-k 40 --top-p=0.9 --min-p 0.05 --repeat-penalty 1.1 --repeat-last-n -1 "
+     "--presence-penalty -0.5 --frequency-penalty=2 Tell me",
+     con.Command("gen", "Tell me", con.GenOptions(
+         top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.1, repeat_last_n=-1,
+         presence_penalty=-0.5, frequency_penalty=2.0))),
+    ("gen --json --max-tokens 9 A cat as JSON",
+     con.Command("gen", "A cat as JSON", con.GenOptions(max_tokens=9, json_object=True))),
+    ("gen --schema person_2 --temperature 0 A person",
+     con.Command("gen", "A person", con.GenOptions(temperature=0.0, schema="person_2"))),
+    ("gen --json", None),
+    ("schema", con.Command("schema")),
+    ("schema person", con.Command("schema", "person")),
+    ('schema person {"type": "object", "properties": {"name": {"type": "string"}}}',
+     con.Command("schema", "person", schema={"type": "object", "properties": {
+         "name": {"type": "string"}}})),
 ])
-def test_grammar(line: str, cmd: con.Command) -> None:
+def test_grammar(line: str, cmd: con.Command | None) -> None:
+    if cmd is None:  # an option alone is not text
+        with pytest.raises(con.CommandError, match="no text to generate from"):
+            con.parse_command(line)
+        return
     assert con.parse_command(line) == cmd
 
 
@@ -120,9 +139,41 @@ def test_grammar(line: str, cmd: con.Command) -> None:
     ("status now", "status: takes no arguments, got 'now'. Hint: type `status`."),
     ("gen", "gen: no text to generate from. Hint: gen Tell me about UARTs"),
     ("gen --max-tokens 5", "gen: no text to generate from. Hint: gen Tell me about UARTs"),
-    ("gen --top-k 5 hi", "gen: unknown option '--top-k'. Hint: options are --max-tokens, "
-                         "--temperature, --seed, --priority; put -- before text that starts "
-                         "with --."),
+    ("gen --top-q 5 hi", "gen: unknown option '--top-q'. Hint: options are --max-tokens, "
+                         "--temperature, --seed, --priority, --top-k, --top-p, --min-p, "
+                         "--repeat-penalty, --repeat-last-n, --presence-penalty, "
+                         "--frequency-penalty, --json, --schema; put -- before text that "
+                         "starts with --."),
+    ("gen --top-p 0 hi", "gen: --top-p '0' is not a number from 0.001 to 1.0. "
+                         "Hint: e.g. --top-p 0.9"),
+    ("gen --top-k 2.5 hi", "gen: --top-k '2.5' is not an integer from 0 to 1048576. "
+                           "Hint: e.g. --top-k 40"),
+    ("gen --min-p nan hi", "gen: --min-p 'nan' is not a number from 0.0 to 1.0. "
+                           "Hint: e.g. --min-p 0.05"),
+    ("gen --repeat-penalty 0 hi", "gen: --repeat-penalty '0' is not a number from 0.001 to "
+                                  "100.0. Hint: e.g. --repeat-penalty 1.1"),
+    ("gen --repeat-last-n -2 hi", "gen: --repeat-last-n '-2' is not an integer from -1 to "
+                                  "1048576. Hint: e.g. --repeat-last-n 64"),
+    ("gen --presence-penalty 3 hi", "gen: --presence-penalty '3' is not a number from -2.0 to "
+                                    "2.0. Hint: e.g. --presence-penalty 0.5"),
+    ("gen --frequency-penalty -inf hi", "gen: --frequency-penalty '-inf' is not a number from "
+                                        "-2.0 to 2.0. Hint: e.g. --frequency-penalty 0.5"),
+    ("gen --json=yes hi", "gen: option --json takes no value, got 'yes'. Hint: gen --json TEXT"),
+    ("gen --schema", "gen: option --schema needs a value. Hint: e.g. --schema person"),
+    ("gen --schema a.b hi", "gen: --schema 'a.b' is not a schema name (1..64 of a-z A-Z 0-9 _ "
+                            "-). Hint: `schema` lists the registered names."),
+    ("gen --json --schema p hi", "gen: --json and --schema together. Hint: --json for any JSON "
+                                 "object, --schema NAME for one following schema NAME."),
+    ("schema a/b {}", "schema: 'a/b' is not a schema name (1..64 of a-z A-Z 0-9 _ -). "
+                      'Hint: schema person {"type": "object"}'),
+    ("schema p [1]", 'schema p must be a JSON object (a JSON Schema), got list. Hint: e.g. '
+                     '{"type": "object"}.'),
+    ("schema p {'a': 1}", "schema p is not JSON (Expecting property name enclosed in double "
+                          "quotes: line 1 column 2 (char 1)). Hint: check the schema text with "
+                          "a JSON validator."),
+    ('schema p {"a": NaN}', "schema p is not JSON (NaN is not JSON). Hint: check the schema "
+                            "text with a JSON validator."),
+    ("schema p " + "[" * 3000, "schema p is nested too deeply. Hint: flatten the schema."),
     ("gen --max-tokens", "gen: option --max-tokens needs a value. Hint: e.g. --max-tokens 1"),
     ("gen --max-tokens 0 hi", "gen: --max-tokens '0' is not an integer from 1 to 4096. "
                               "Hint: e.g. --max-tokens 1"),
@@ -139,9 +190,13 @@ def test_grammar_errors(line: str, message: str) -> None:
     assert str(e.value) == message
 
 
-def test_help_lists_every_command() -> None:
+def test_help_lists_every_command_and_gen_option() -> None:
     for name in con.COMMANDS:
         assert name in con.HELP
+    for option in ("--max-tokens", "--temperature", "--seed", "--priority", "--top-k",
+                   "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
+                   "--presence-penalty", "--frequency-penalty", "--json", "--schema NAME"):
+        assert option in con.HELP, option
 
 
 # ----- output -------------------------------------------------------------------------------------

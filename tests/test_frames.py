@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 from pathlib import Path
@@ -244,3 +245,172 @@ def test_random_noise_never_raises_and_every_bad_frame_is_counted() -> None:
     assert c["frames_ok"] == good  # a frame always opens with 0x00, whatever came before
     naks = sum(v for k, v in c.items() if k not in ("frames_ok", "abandoned"))
     assert naks > 0
+
+
+# ----- GENERATE's extension (FLAG_EXT) and SCHEMA frames ------------------------------------------
+
+def ext_generate(entries: bytes, prompt: bytes = b"hi", *, flags: int = fr.FLAG_EXT,
+                 ext_len: int | None = None) -> bytes:
+    """A GENERATE payload built by hand (the oracle for pack_generate): fixed fields, ext_len,
+    the entries, the prompt."""
+    n = len(entries) if ext_len is None else ext_len
+    return struct.pack("<BBHIIHH", 5, flags, 64, 0, 0, 0, n) + entries + prompt
+
+
+def tlv(tag: int, value: bytes) -> bytes:
+    return struct.pack("<BH", tag, len(value)) + value
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+          "required": ["name"]}
+
+
+def test_extension_round_trips_and_matches_a_hand_built_payload() -> None:
+    g = fr.Generate("hi", top_k=40, top_p=0.9, min_p=0.05, presence_penalty=-1.5,
+                    frequency_penalty=0.5, repeat_penalty=1.3, repeat_last_n=-1,
+                    stop=("\n", "END"), logit_bias=((5, -100.0), (7, 2.5)), schema=PERSON)
+    schema_text = json.dumps(PERSON, separators=(",", ":")).encode()
+    want = ext_generate(
+        tlv(0x01, struct.pack("<I", 40)) + tlv(0x02, struct.pack("<H", 900))
+        + tlv(0x03, struct.pack("<H", 50)) + tlv(0x04, struct.pack("<h", -1500))
+        + tlv(0x05, struct.pack("<h", 500)) + tlv(0x06, struct.pack("<I", 1300))
+        + tlv(0x07, struct.pack("<i", -1)) + tlv(0x08, b"\n") + tlv(0x08, b"END")
+        + tlv(0x09, struct.pack("<IiIi", 5, -100000, 7, 2500)) + tlv(0x11, schema_text))
+    assert fr.pack_generate(g) == want
+    assert fr.unpack_generate(want) == g
+    for other in (fr.Generate("x", json_object=True, chat=True, seed=3),
+                  fr.Generate("x", schema_id=255, top_k=0, min_p=0.0),
+                  fr.Generate("x", repeat_penalty=100.0, repeat_last_n=1 << 20, top_p=0.001)):
+        assert fr.unpack_generate(fr.pack_generate(other)) == other
+    # entries in any order, stop strings and logit_bias entries accumulate, an empty block
+    shuffled = ext_generate(tlv(0x09, struct.pack("<Ii", 7, 2500)) + tlv(0x08, b"a")
+                            + tlv(0x10, b"") + tlv(0x09, struct.pack("<Ii", 5, -1000))
+                            + tlv(0x08, "é".encode()))
+    assert fr.unpack_generate(shuffled) == fr.Generate(
+        "hi", stop=("a", "é"), logit_bias=((5, -1.0), (7, 2.5)), json_object=True)
+    assert fr.unpack_generate(ext_generate(b"")) == fr.Generate("hi")
+
+
+def test_a_generate_without_extension_is_the_original_layout() -> None:
+    """Old clients: no new field set means no flag 4 and the 14 fixed bytes + prompt."""
+    g = fr.Generate("Hi", priority=5, max_tokens=16, deadline_ms=5000, seed=42, chat=True)
+    assert fr.pack_generate(g) == struct.pack("<BBHIIH", 5, 3, 16, 5000, 42, 0) + b"Hi"
+
+
+def test_max_stop_agrees_with_the_http_api() -> None:
+    from edge_agent.protocol.api import MAX_STOP
+
+    assert fr.MAX_STOP == MAX_STOP
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (struct.pack("<BBHIIH", 5, 0x0C, 8, 0, 0, 0) + b"x",
+     "flags 0x0c: bits 0x08 are reserved. Hint: flags are 1 (seed), 2 (chat), 4 (extension)"),
+    (struct.pack("<BBHIIH", 5, 4, 8, 0, 0, 0) + b"x",
+     "GENERATE payload is 15 bytes; flag 4 (extension) needs ext_len u16"),
+    (ext_generate(b"", b"hi", ext_len=3),
+     "GENERATE ext_len 3 runs past the payload (2 bytes after it)"),
+    (ext_generate(b"\x01\x04", b""), "GENERATE extension: 2 bytes left at offset 0; an entry "
+                                      "needs 3 (tag u8, len u16)"),
+    (ext_generate(tlv(0x42, b"")), "GENERATE extension: unknown tag 0x42 at offset 0. Hint: "
+                                   "docs/serial.md lists the GENERATE extension tags"),
+    (ext_generate(tlv(0x10, b"") + b"\x01\x04\x00\x01"),
+     "GENERATE extension top_k (tag 0x01): length 4 runs past the extension block (1 bytes "
+     "left)"),
+    (ext_generate(tlv(0x02, b"\x01")), "top_p (tag 0x02): value is 1 bytes; needs 2"),
+    (ext_generate(tlv(0x01, struct.pack("<I", (1 << 20) + 1))),
+     "top_k (tag 0x01): 1048577 out of range 0..1048576. Hint: use 0..1048576."),
+    (ext_generate(tlv(0x02, struct.pack("<H", 0))),
+     "top_p (tag 0x02): 0 (0) out of range 1..1000 (x1000)"),
+    (ext_generate(tlv(0x02, struct.pack("<H", 1001))), "top_p (tag 0x02): 1001 (1.001) out of"),
+    (ext_generate(tlv(0x03, struct.pack("<H", 1001))), "min_p (tag 0x03): 1001 (1.001) out of"),
+    (ext_generate(tlv(0x04, struct.pack("<h", -2001))),
+     "presence_penalty (tag 0x04): -2001 (-2.001) out of range -2000..2000 (x1000)"),
+    (ext_generate(tlv(0x05, struct.pack("<h", 2001))), "frequency_penalty (tag 0x05): 2001"),
+    (ext_generate(tlv(0x06, struct.pack("<I", 0))), "repeat_penalty (tag 0x06): 0 (0) out of "
+                                                    "range 1..100000 (x1000)"),
+    (ext_generate(tlv(0x07, struct.pack("<i", -2))), "repeat_last_n (tag 0x07): -2 out of "
+                                                     "range -1..1048576"),
+    (ext_generate(tlv(0x01, b"\0\0\0\0") * 2), "top_k (tag 0x01): given twice"),
+    (ext_generate(tlv(0x08, b"")), "stop (tag 0x08): empty stop string"),
+    (ext_generate(tlv(0x08, b"\xc3")), "stop (tag 0x08): not UTF-8 (unexpected end of data at "
+                                       "byte 0)"),
+    (ext_generate(tlv(0x08, b"a") * 5), "stop (tag 0x08): more than 4 stop strings"),
+    (ext_generate(tlv(0x09, b"\0" * 7)), "logit_bias (tag 0x09): value is 7 bytes; needs a "
+                                         "positive multiple of 8 (token u32, bias x1000 i32)"),
+    (ext_generate(tlv(0x09, b"")), "logit_bias (tag 0x09): value is 0 bytes"),
+    (ext_generate(tlv(0x09, struct.pack("<Ii", 3, 100001))),
+     "logit_bias (tag 0x09): token 3: bias 100001 (x1000) out of range -100000..100000"),
+    (ext_generate(tlv(0x09, struct.pack("<IiIi", 3, 1, 3, 2))),
+     "logit_bias (tag 0x09): token 3 given twice"),
+    (ext_generate(tlv(0x10, b"x")), "json_object (tag 0x10): value is 1 bytes; needs 0"),
+    (ext_generate(tlv(0x11, b"")), "schema (tag 0x11): empty schema"),
+    (ext_generate(tlv(0x11, b'{"a":"\xff"}')), "schema (tag 0x11) is not UTF-8 (invalid start "
+                                                "byte at byte 6)"),
+    (ext_generate(tlv(0x11, b'{"type": "object"')), "schema (tag 0x11) is not JSON (Expecting "
+                                                    "',' delimiter: line 1 column 18"),
+    (ext_generate(tlv(0x11, b'{"maximum": Infinity}')), "schema (tag 0x11) is not JSON "
+                                                        "(Infinity is not JSON)"),
+    (ext_generate(tlv(0x11, b"[" * 2000 + b"]" * 2000)), "schema (tag 0x11) is nested too "
+                                                         "deeply"),
+    (ext_generate(tlv(0x11, b'"object"')), "schema (tag 0x11) must be a JSON object (a JSON "
+                                           "Schema), got str"),
+    (ext_generate(tlv(0x12, b"\x01\x00")), "schema_id (tag 0x12): value is 2 bytes; needs 1"),
+    (ext_generate(tlv(0x10, b"") + tlv(0x12, b"\x01")),
+     "GENERATE extension: json_object (tag 0x10) and schema_id (tag 0x12) together. Hint: give "
+     "at most one of json_object, schema, schema_id."),
+    (ext_generate(tlv(0x11, b"{}") + tlv(0x10, b"")), "json_object (tag 0x10) and schema (tag "
+                                                      "0x11) together"),
+    (ext_generate(tlv(0x10, b""), b""), "empty prompt"),
+    (ext_generate(tlv(0x10, b""), b"\xff"), "prompt is not UTF-8"),
+])
+def test_every_malformed_extension_names_the_field(payload: bytes, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        fr.unpack_generate(payload)
+    assert message in str(e.value)
+    assert "Hint:" in str(e.value) or "prompt" in message or "GENERATE payload" in message \
+        or "ext_len" in message
+
+
+def test_the_encoder_refuses_out_of_range_extension_values() -> None:
+    with pytest.raises(ValueError, match=r"top_p 1.5 out of range 0.001..1.0"):
+        fr.pack_generate(fr.Generate("x", top_p=1.5))
+    with pytest.raises(ValueError, match=r"repeat_last_n -3 out of range -1..1048576"):
+        fr.pack_generate(fr.Generate("x", repeat_last_n=-3))
+
+
+def test_schema_frame_payloads() -> None:
+    text = json.dumps(PERSON, separators=(",", ":")).encode()
+    assert fr.pack_schema(3, PERSON) == b"\x03" + text
+    assert fr.unpack_schema(fr.pack_schema(3, PERSON)) == (3, PERSON)
+    assert fr.unpack_schema(fr.pack_schema(200, None)) == (200, None)  # forget id 200
+    with pytest.raises(ValueError, match="SCHEMA payload is 0 bytes; needs schema_id u8"):
+        fr.unpack_schema(b"")
+    with pytest.raises(ValueError, match=r"SCHEMA 7 text is not JSON \(Expecting property"):
+        fr.unpack_schema(b"\x07{]")
+    with pytest.raises(ValueError, match="SCHEMA 7 text must be a JSON object"):
+        fr.unpack_schema(b"\x07[]")
+    with pytest.raises(ValueError, match="SCHEMA 7 text is not UTF-8"):
+        fr.unpack_schema(b"\x07\xfe")
+    frame = fr.decode_body(fr.encode_frame(fr.FrameType.SCHEMA, 9, b"\x01{}")[1:-1])
+    assert frame == fr.Frame(fr.FrameType.SCHEMA, 9, b"\x01{}")
+
+
+def test_extension_worked_example_bytes_from_docs_serial() -> None:
+    """docs/serial.md's SCHEMA + GENERATE-with-extension example, byte for byte."""
+    doc = SERIAL_DOC.read_text(encoding="utf-8")
+    schema = fr.encode_frame(fr.FrameType.SCHEMA, 9, fr.pack_schema(1, {"type": "object"}))
+    g = fr.Generate("Hi", max_tokens=64, chat=True, top_k=40, schema_id=1)
+    gen = fr.encode_frame(fr.FrameType.GENERATE, 10, fr.pack_generate(g))
+    assert f"SCHEMA wire : {schema.hex(' ')}" in doc
+    assert f"GENERATE wire: {gen.hex(' ')}" in doc
+    for name, wire in (("SCHEMA raw  ", schema), ("GENERATE raw", gen)):
+        line = next(x for x in doc.splitlines() if x.startswith(name + ":"))
+        fields, crc = line.split(":", 1)[1].split("| crc")
+        raw = bytes.fromhex(fields.replace("|", ""))
+        assert fr.cobs_decode(wire[1:-1]) == raw + bytes.fromhex(crc)
+        assert int.from_bytes(bytes.fromhex(crc), "little") == crc32_bitwise(raw)
+    frame = fr.decode_body(gen[1:-1])
+    assert isinstance(frame, fr.Frame) and fr.unpack_generate(frame.payload) == g
+    assert "`ext_len` `0b 00` = 11 bytes" in doc  # the walk-through matches the bytes
+    assert fr.pack_generate(g)[14:16] == b"\x0b\x00"

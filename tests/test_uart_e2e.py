@@ -3,7 +3,9 @@
 One daemon for the module, with two ports: the slave of an os.openpty pair (console and frames
 share it) and, when socat is installed, one end of a socat pty pair that is killed and restarted
 (a USB adapter unplugged and plugged back). Outputs are checked against the same daemon's HTTP
-API at temperature 0 (the same scheduler and runner serve both).
+API at temperature 0 (the same scheduler and runner serve both). Structured output on both UART
+paths (a SCHEMA frame and GENERATE's extension; the console's `schema` and `gen --schema`) is
+checked with json.loads + jsonschema and against the HTTP API's answer to the same request.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import os
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 import serial
 from daemon_proc import Daemon, launch, serve_argv
@@ -134,7 +138,7 @@ def served(prepared_state_dir: Path) -> Iterator[Served]:
         cfg.write_text(
             f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
             "drain_timeout_s = 5\n"
-            '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
+            '[runtime]\nengine = "llamacpp"\nmlock = "best-effort"\nthreads = 1\n'
             "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
             f'[serial]\nport = "{",".join(ports)}"\nbaudrate = 115200\nmax_line = 256\n'
         )
@@ -248,6 +252,132 @@ def test_line_drop_then_resume(served: Served) -> None:
     toks = [fr.unpack_token(f.payload) for f in frames if f.type == fr.FrameType.TOKEN]
     assert toks and toks[0][0] == last + 1
     assert "".join(t for _, t in got + toks) == want
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+ASK = "Describe a person as JSON."
+
+
+def frame_text(frames: list[fr.Frame]) -> str:
+    assert frames[0].type == fr.FrameType.ACK, frames[0]
+    assert frames[-1].type == fr.FrameType.DONE, frames[-1]
+    return "".join(fr.unpack_token(f.payload)[1] for f in frames if f.type == fr.FrameType.TOKEN)
+
+
+def test_machine_schema_constrained_generate_is_valid_json(served: Served) -> None:
+    pty = served.pty
+    status, r = served.json("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": ASK}], "max_tokens": 120, "temperature": 0,
+        "response_format": PERSON_FORMAT})
+    assert status == 200, r
+    want = r["choices"][0]["message"]["content"]
+    # a schema registered once, then named by id
+    pty.send(fr.encode_frame(fr.FrameType.SCHEMA, 60, fr.pack_schema(1, PERSON)))
+    assert pty.frames(60, fr.FrameType.ACK)[-1].type == fr.FrameType.ACK
+    g = fr.Generate(ASK, max_tokens=120, chat=True, schema_id=1)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 61, fr.pack_generate(g)))
+    frames = pty.frames(61, fr.FrameType.DONE)
+    text = frame_text(frames)
+    jsonschema.validate(json.loads(text), PERSON)
+    assert fr.unpack_done(frames[-1].payload)[1] == "stop"
+    assert text == want  # temperature 0: the HTTP API's answer to the same request
+    # the same schema inline gives the same text; any JSON object (json_object) parses
+    g = fr.Generate(ASK, max_tokens=120, chat=True, schema=PERSON)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 62, fr.pack_generate(g)))
+    assert frame_text(pty.frames(62, fr.FrameType.DONE)) == want
+    g = fr.Generate("Give me a JSON object with a cat's name and age.", max_tokens=200,
+                    chat=True, json_object=True)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 63, fr.pack_generate(g)))
+    assert isinstance(json.loads(frame_text(pty.frames(63, fr.FrameType.DONE))), dict)
+    # a schema llguidance cannot compile: an ERROR naming it, at registration
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
+    pty.send(fr.encode_frame(fr.FrameType.SCHEMA, 64, fr.pack_schema(2, bad)))
+    err = pty.frames(64, fr.FrameType.ERROR)[-1]
+    code, message = fr.unpack_reason(err.payload)
+    assert code == fr.ErrorCode.BAD_REQUEST
+    assert message.startswith("schema id 2: field 'response_format': the JSON schema cannot be "
+                              "used for constrained decoding") and "missing" in message
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 65, fr.pack_generate(
+        fr.Generate("x", schema=bad))))
+    assert "field 'response_format'" in fr.unpack_reason(
+        pty.frames(65, fr.FrameType.ERROR)[-1].payload)[1]
+    # a malformed extension: a NAK naming the field, and the link carries on
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 66, struct.pack(
+        "<BBHIIHH", 5, fr.FLAG_EXT, 8, 0, 0, 0, 5) + b"\x11\x02\x00{]hi"))
+    code, message = fr.unpack_reason(pty.frames(66, fr.FrameType.NAK)[-1].payload)
+    assert code == fr.NakReason.BAD_PAYLOAD and "schema (tag 0x11) is not JSON" in message
+    pty.send(fr.encode_frame(fr.FrameType.STATUS, 67))
+    assert json.loads(pty.frames(67, fr.FrameType.STATUS_REPLY)[-1].payload)["state"] == \
+        "serving"
+
+
+def test_machine_sampling_controls_reach_the_sampler(served: Served) -> None:
+    pty = served.pty
+    # top_k 1 keeps only the likeliest token: any temperature and seed give the greedy text
+    want = served.completion(PROMPT, 16)
+    _, hot = served.json("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 16,
+                                                      "temperature": 1.5, "seed": 1234})
+    assert hot["choices"][0]["text"] != want  # without top_k this seed leaves the greedy path
+    g = fr.Generate(PROMPT, max_tokens=16, temperature=1.5, seed=1234, top_k=1)
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 70, fr.pack_generate(g)))
+    assert frame_text(pty.frames(70, fr.FrameType.DONE)) == want
+    # penalties, min_p, top_p, stop and logit_bias: what the HTTP API gives for those fields
+    body = {"prompt": "List the planets: Mercury, Venus,", "max_tokens": 24, "temperature": 0.8,
+            "seed": 5, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 1.5,
+            "frequency_penalty": 0.5, "repeat_penalty": 1.3, "repeat_last_n": 32,
+            "stop": ["Pluto"], "logit_bias": {"28": -100}}
+    status, r = served.json("POST", "/v1/completions", body)
+    assert status == 200, r
+    g = fr.Generate(body["prompt"], max_tokens=24, temperature=0.8, seed=5, top_p=0.9,
+                    min_p=0.05, presence_penalty=1.5, frequency_penalty=0.5, repeat_penalty=1.3,
+                    repeat_last_n=32, stop=("Pluto",), logit_bias=((28, -100.0),))
+    pty.send(fr.encode_frame(fr.FrameType.GENERATE, 71, fr.pack_generate(g)))
+    assert frame_text(pty.frames(71, fr.FrameType.DONE)) == r["choices"][0]["text"]
+    status, plain = served.json("POST", "/v1/completions", {**body, "presence_penalty": 0,
+                                                             "frequency_penalty": 0,
+                                                             "repeat_penalty": 1.0})
+    assert plain["choices"][0]["text"] != r["choices"][0]["text"]  # the penalties did something
+
+
+def console_text(out: bytes) -> str:
+    """The generated text of a console `gen`: between the echoed line and the prompt."""
+    return out.decode("utf-8").split("\r\n", 1)[1].rsplit("\r\n", 1)[0]
+
+
+def test_console_schema_and_json_constrained_gen(served: Served) -> None:
+    pty = served.pty
+    pty.send(b"\r")
+    pty.expect(b"edge> ")
+    status, r = served.json("POST", "/v1/completions", {
+        "prompt": "A person as JSON:", "max_tokens": 80, "temperature": 0,
+        "response_format": PERSON_FORMAT})
+    assert status == 200, r
+    want = r["choices"][0]["text"]
+    pty.send(f"schema person {json.dumps(PERSON, separators=(',', ':'))}\r".encode())
+    assert b"schema person registered" in pty.expect(b"edge> ")
+    pty.send(b"gen --schema person --max-tokens 80 A person as JSON:\r")
+    text = console_text(pty.expect(b"edge> ", timeout=60))
+    jsonschema.validate(json.loads(text), PERSON)
+    assert text == want
+    pty.send(b"gen --json --max-tokens 200 --top-k 1 --temperature 1.2 A cat as a JSON object:\r")
+    assert isinstance(json.loads(console_text(pty.expect(b"edge> ", timeout=90))), dict)
+    pty.send(b'schema bad {"type":"object","properties":{"a":{"$ref":"#/definitions/x"}}}\r')
+    out = pty.expect(b"edge> ")
+    assert b"error: schema bad: field 'response_format': the JSON schema cannot be used" in out
+    pty.send(b"gen --schema bad hi\r")
+    assert b"error: gen: no schema named 'bad' on this port (registered: person)" in \
+        pty.expect(b"edge> ")
+    # the sampling options: top_k 1 at any temperature is the greedy text
+    want = served.completion(PROMPT, 10)
+    _, hot = served.json("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 10,
+                                                      "temperature": 1.7, "seed": 9})
+    assert hot["choices"][0]["text"] != want  # without top_k this seed leaves the greedy path
+    pty.send(f"gen --max-tokens 10 --top-k 1 --temperature 1.7 --seed 9 {PROMPT}\r".encode())
+    assert console_text(pty.expect(b"edge> ")) == want.replace("\n", "\r\n")
 
 
 def test_port_disappears_and_comes_back(served: Served) -> None:

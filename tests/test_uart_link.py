@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -56,6 +57,12 @@ class ScriptedBackend:
         self.recs[rid] = rec
         rec["task"] = asyncio.ensure_future(self._produce(rec, params.max_tokens))
         return rid
+
+    def check_format(self, response_format: Mapping[str, Any]) -> None:
+        schema = response_format.get("json_schema", {}).get("schema", {})
+        if "bad" in schema:
+            raise BackendError("invalid_request", "field 'response_format': the JSON schema "
+                               "cannot be used for constrained decoding: bad. Hint: fix it.")
 
     async def _produce(self, rec: dict[str, Any], n: int) -> None:
         for i in range(n):
@@ -570,6 +577,122 @@ def test_machine_client_generate_cancel_status_and_naks() -> None:
         status = json.loads(st.payload)
         assert status["state"] == "ready" and status["link"]["bad_crc"] == 1
         assert status["link"]["naks"] == 3 and status["link"]["frames_ok"] >= 6
+        peer.close()
+        await t.close()
+        os.close(master)
+
+    run(main)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}}
+
+
+def test_console_schema_json_and_sampling_options_reach_the_backend() -> None:
+    async def main() -> None:
+        master, path = open_pty()
+        backend = ScriptedBackend()
+        t = await start_transport(path, backend, max_line=256)
+        peer = Peer(master)
+        for cmd, want in [
+            (b"schema", b"no schemas registered"),
+            (b"schema person", b"error: no schema named 'person' on this port (registered: "
+                               b"none). Hint: register it with `schema person {...JSON "
+                               b"Schema...}`."),
+            (b"gen --schema person hi", b"error: gen: no schema named 'person'"),
+            (b"schema person " + json.dumps(PERSON).encode(),
+             b"schema person registered; use gen --schema person TEXT"),
+            (b'schema broken {"bad": 1}', b"error: schema broken: field 'response_format': "
+                                          b"the JSON schema cannot be used"),
+            (b"schema person", b'person: {"type": "object", "properties": {"name": '
+                               b'{"type": "string"}}}'),
+            (b"schema", b"person: {"),
+        ]:
+            peer.send(cmd + b"\r")
+            assert want in await peer.expect(b"edge> "), cmd
+        assert len(backend.submitted) == 0
+        peer.send(b"gen --schema person --max-tokens 3 --top-k 1 --top-p 0.5 --min-p 0.1 "
+                  b"--repeat-penalty 1.2 --repeat-last-n 8 --presence-penalty -1 "
+                  b"--frequency-penalty 0.5 --temperature 0.7 --seed 4 A person\r")
+        await peer.expect(b"edge> ")
+        peer.send(b"gen --json --max-tokens 2 A cat\r")
+        await peer.expect(b"edge> ")
+        (p1, g1, *_), (p2, g2, *_) = backend.submitted
+        assert (p1, p2) == ("A person", "A cat")
+        assert g1 == GenParams(3, 0.7, 4, top_k=1, top_p=0.5, min_p=0.1, presence_penalty=-1.0,
+                               frequency_penalty=0.5, repeat_penalty=1.2, repeat_last_n=8,
+                               response_format={"type": "json_schema", "json_schema": {
+                                   "name": "person", "schema": PERSON, "strict": True}})
+        assert g2 == GenParams(2, 0.0, None, response_format={"type": "json_object"})
+        peer.close()
+        await t.close()
+        os.close(master)
+
+    run(main)
+
+
+def test_machine_schema_frames_and_generate_extension_reach_the_backend() -> None:
+    async def main() -> None:
+        master, path = open_pty()
+        backend = ScriptedBackend()
+        t = await start_transport(path, backend)
+        peer = Peer(master)
+
+        async def reply(frame: bytes) -> fr.Frame:
+            peer.send(frame)
+            return (await peer.frames(1))[0]
+
+        ack = await reply(fr.encode_frame(fr.FrameType.SCHEMA, 1, fr.pack_schema(3, PERSON)))
+        assert ack == fr.Frame(fr.FrameType.ACK, 1)
+        err = await reply(fr.encode_frame(fr.FrameType.SCHEMA, 2, fr.pack_schema(4, {"bad": 1})))
+        assert err.type == fr.FrameType.ERROR and fr.unpack_reason(err.payload) == (
+            fr.ErrorCode.BAD_REQUEST, "schema id 4: field 'response_format': the JSON schema "
+            "cannot be used for constrained decoding: bad. Hint: fix it.")
+        nak = await reply(fr.encode_frame(fr.FrameType.SCHEMA, 3, b"\x05{"))
+        assert nak.type == fr.FrameType.NAK and fr.unpack_reason(nak.payload)[0] == \
+            fr.NakReason.BAD_PAYLOAD and "SCHEMA 5 text is not JSON" in nak.payload.decode()
+        err = await reply(gen_frame(4, schema_id=4))
+        assert err.type == fr.FrameType.ERROR and fr.unpack_reason(err.payload) == (
+            fr.ErrorCode.NOT_FOUND, "schema id 4 is not registered on this port. Hint: send a "
+            "SCHEMA frame with it first (registrations end when the daemon restarts).")
+        nak = await reply(fr.encode_frame(fr.FrameType.GENERATE, 5, struct.pack(
+            "<BBHIIHH", 5, fr.FLAG_EXT, 8, 0, 0, 0, 3) + b"\x42\x00\x00hi"))
+        assert nak.type == fr.FrameType.NAK and fr.unpack_reason(nak.payload) == (
+            fr.NakReason.BAD_PAYLOAD, "GENERATE extension: unknown tag 0x42 at offset 0. Hint: "
+            "docs/serial.md lists the GENERATE extension tags and their value layouts.")
+        assert backend.submitted == []
+        # the link carries on: generations with the extension
+        for rid, kw in [(6, {"schema_id": 3}), (7, {"schema": {"type": "array"}}),
+                        (8, {"json_object": True})]:
+            peer.send(gen_frame(rid, max_tokens=2, top_k=2, top_p=0.8, min_p=0.01,
+                                presence_penalty=0.5, frequency_penalty=-0.5,
+                                repeat_penalty=1.5, repeat_last_n=-1, stop=("\n",),
+                                logit_bias=((3, -100.0),), **kw))
+            got = await peer.frames(4)
+            assert [f.type for f in got] == [fr.FrameType.ACK, fr.FrameType.TOKEN,
+                                             fr.FrameType.TOKEN, fr.FrameType.DONE]
+        formats = [{"type": "json_schema", "json_schema": {"name": "schema_3", "schema": PERSON,
+                                                           "strict": True}},
+                   {"type": "json_schema", "json_schema": {"name": "schema",
+                                                           "schema": {"type": "array"},
+                                                           "strict": True}},
+                   {"type": "json_object"}]
+        for (_, params, *_), fmt in zip(backend.submitted, formats, strict=True):
+            assert params == GenParams(2, 0.0, None, top_k=2, top_p=0.8, min_p=0.01,
+                                       presence_penalty=0.5, frequency_penalty=-0.5,
+                                       repeat_penalty=1.5, repeat_last_n=-1, stop=("\n",),
+                                       logit_bias=((3, -100.0),), response_format=fmt)
+        # forgetting an id
+        assert await reply(fr.encode_frame(fr.FrameType.SCHEMA, 9, b"\x03")) == \
+            fr.Frame(fr.FrameType.ACK, 9)
+        err = await reply(gen_frame(10, schema_id=3))
+        assert fr.unpack_reason(err.payload)[0] == fr.ErrorCode.NOT_FOUND
+        # at most MAX_SCHEMAS ids per port
+        for i in range(fr.MAX_SCHEMAS):
+            peer.send(fr.encode_frame(fr.FrameType.SCHEMA, 100 + i, fr.pack_schema(i, PERSON)))
+        assert {f.type for f in await peer.frames(fr.MAX_SCHEMAS)} == {fr.FrameType.ACK}
+        err = await reply(fr.encode_frame(fr.FrameType.SCHEMA, 11, fr.pack_schema(99, PERSON)))
+        assert fr.unpack_reason(err.payload)[0] == fr.ErrorCode.BAD_REQUEST
+        assert "16 schemas are registered" in err.payload.decode()
         peer.close()
         await t.close()
         os.close(master)

@@ -7,6 +7,9 @@ Invariants owned here:
   state, the queue's depth and the newest flash job.
 - A UART request is validated by the same `parse_generation` and submitted through the same
   `Daemon.submit` as an HTTP one: same scheduler, priorities, deadlines, queue limit, records.
+  Its sampling controls and `response_format` go into that body under the HTTP API's names, so
+  `_response_format` shapes the format and `structured.grammar_for` compiles it as for HTTP;
+  `check_format` runs those two alone (a schema registered on a port is checked at once).
 - A domain error (edge_agent/errors.py `ServiceError`) becomes a `BackendError` here only
   (`backend_error`, codes from UART_CODES: the same words as the HTTP API's `code`).
 - `events(id, from)` is `RequestRecord.follow(from)`: token indices are the same ones
@@ -19,11 +22,13 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from edge_agent.daemon.structured import grammar_for
 from edge_agent.errors import (
     AdmissionRefused,
     ModelNotFound,
@@ -86,6 +91,19 @@ class ConsoleModel(Protocol):
     async def unload_and_wait(self) -> None: ...
 
 
+def _sampling(params: GenParams) -> list[tuple[str, Any]]:
+    """The request-body fields of `params` beyond max_tokens / temperature / seed (None: unset,
+    the daemon's default)."""
+    return [("top_k", params.top_k), ("top_p", params.top_p), ("min_p", params.min_p),
+            ("presence_penalty", params.presence_penalty),
+            ("frequency_penalty", params.frequency_penalty),
+            ("repeat_penalty", params.repeat_penalty), ("repeat_last_n", params.repeat_last_n),
+            ("stop", list(params.stop) or None),
+            ("logit_bias", {str(t): b for t, b in params.logit_bias} or None),
+            ("response_format", None if params.response_format is None
+             else json.loads(json.dumps(params.response_format)))]
+
+
 class DaemonBackend:
     def __init__(self, *, submit: Callable[[GenerationRequest], RequestRecord],
                  cancel: Callable[[str, str], object], records: Mapping[str, RequestRecord],
@@ -114,7 +132,7 @@ class DaemonBackend:
         else:
             body["messages"] = [dict(m) for m in prompt]
         for key, value in (("seed", params.seed), ("priority", priority),
-                           ("timeout_ms", timeout_ms)):
+                           ("timeout_ms", timeout_ms), *_sampling(params)):
             if value is not None:
                 body[key] = value
         try:
@@ -126,6 +144,16 @@ class DaemonBackend:
             raise BackendError(exc.code, exc.message) from exc
         log.info(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
         return rec.id
+
+    def check_format(self, response_format: Mapping[str, Any]) -> None:
+        """BackendError (code invalid_request, naming response_format) when a request with
+        this format would be refused: the same parse and grammar check as a submit."""
+        try:
+            req = parse_generation({"prompt": "-", "response_format": dict(response_format)},
+                                   chat=False, max_tokens_limit=MAX_TOKENS_LIMIT)
+            grammar_for(req, None)  # no tools: the tokenizer is not consulted
+        except ApiError as exc:
+            raise BackendError(exc.code, exc.message) from exc
 
     async def events(self, request_id: str, from_index: int = 0) -> AsyncIterator[StreamEvent]:
         rec = self.records.get(request_id)

@@ -13,6 +13,9 @@ Invariants owned here:
 - `OutputEncoder` output is always valid UTF-8, never contains 0x00 or other C0 controls except
   TAB, and ends lines with CRLF; a multi-byte character split across token pieces is held back
   until complete.
+- `gen` options map one to one onto the request fields of the same name (docs/api.md); `--json`
+  and `--schema NAME` exclude each other. `schema NAME JSON` carries a parsed JSON object (a
+  JSON Schema); whether it compiles is the daemon's call.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from __future__ import annotations
 import codecs
 import re
 from dataclasses import dataclass, field
+from typing import Any
+
+from edge_agent.protocol.frames import schema_from_json
 
 __all__ = [
     "Line",
@@ -178,21 +184,31 @@ class GenOptions:
     temperature: float | None = None
     seed: int | None = None
     priority: int | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    json_object: bool = False  # --json: the reply is one JSON object
+    schema: str | None = None  # --schema NAME: the reply follows the schema registered as NAME
 
 
 @dataclass(frozen=True)
 class Command:
     name: str  # one of COMMANDS, "" for an empty line
-    arg: str = ""  # NAME for load/unload, TEXT for gen
+    arg: str = ""  # NAME for load/unload/schema, TEXT for gen
     options: GenOptions = field(default_factory=GenOptions)
+    schema: dict[str, Any] | None = None  # `schema NAME JSON`: the JSON Schema to register
 
 
 class CommandError(ValueError):
     """A console line that is not a valid command; the message ends with a Hint."""
 
 
-COMMANDS = ("help", "status", "models", "load", "unload", "gen", "chat", "cancel", "jobs",
-            "flash status", "version")
+COMMANDS = ("help", "status", "models", "load", "unload", "gen", "schema", "chat", "cancel",
+            "jobs", "flash status", "version")
 
 HELP = """\
 commands:
@@ -202,23 +218,47 @@ commands:
   load NAME | unload NAME  load or unload a model
   gen [--max-tokens N] [--temperature T] [--seed S] [--priority P] TEXT
                            generate from TEXT; tokens stream as they come
+      [--top-k K] [--top-p P] [--min-p P] [--repeat-penalty R] [--repeat-last-n N]
+      [--presence-penalty X] [--frequency-penalty X]
+                           sampling controls (the HTTP API's fields of the same name)
+      [--json | --schema NAME]
+                           the reply is one JSON object / follows schema NAME
+  schema [NAME [JSON]]     list the schemas, show NAME, or register JSON (a JSON Schema)
+                           as NAME for gen --schema NAME (on this port, until restart)
   chat                     a conversation: every line is a user turn until /exit
   cancel                   cancel the running generation (Ctrl-C does the same)
   jobs                     requests queued and running
   flash status             the last firmware flash job
   version                  daemon version"""
 
-_OPTS = {
-    "--max-tokens": ("max_tokens", int, 1, 4096),
-    "--temperature": ("temperature", float, 0.0, 2.0),
-    "--seed": ("seed", int, 0, 2**32 - 1),
-    "--priority": ("priority", int, 0, 10),
+# option -> (GenOptions field, type, lowest, highest, example for the hint)
+_OPTS: dict[str, tuple[str, type, float, float, float]] = {
+    "--max-tokens": ("max_tokens", int, 1, 4096, 1),
+    "--temperature": ("temperature", float, 0.0, 2.0, 0.0),
+    "--seed": ("seed", int, 0, 2**32 - 1, 0),
+    "--priority": ("priority", int, 0, 10, 10),
+    "--top-k": ("top_k", int, 0, 1 << 20, 40),
+    "--top-p": ("top_p", float, 0.001, 1.0, 0.9),
+    "--min-p": ("min_p", float, 0.0, 1.0, 0.05),
+    "--repeat-penalty": ("repeat_penalty", float, 0.001, 100.0, 1.1),
+    "--repeat-last-n": ("repeat_last_n", int, -1, 1 << 20, 64),
+    "--presence-penalty": ("presence_penalty", float, -2.0, 2.0, 0.5),
+    "--frequency-penalty": ("frequency_penalty", float, -2.0, 2.0, 0.5),
 }
+_FLAG_OPTS = {"--json": "json_object"}  # options without a value
+_NAME_OPTS = {"--schema": "schema"}  # options whose value is a schema NAME
+_ALL_OPTS = (*_OPTS, *_FLAG_OPTS, *_NAME_OPTS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a response_format json_schema name
+
+
+def _unknown_option(opt: str) -> CommandError:
+    return CommandError(f"gen: unknown option {opt!r}. Hint: options are "
+                        f"{', '.join(_ALL_OPTS)}; put -- before text that starts with --.")
 
 
 def _parse_gen(rest: str) -> Command:
-    values: dict[str, float | int] = {}
+    values: dict[str, Any] = {}
     while True:
         rest = rest.lstrip(" \t")
         if rest == "--" or rest.startswith(("-- ", "--\t")):
@@ -227,18 +267,31 @@ def _parse_gen(rest: str) -> Command:
         m = re.match(r"(--[a-z-]+)(?:=(\S*)|[ \t]+(\S+)|$)", rest)
         if m is None:
             if rest.startswith("--"):
-                bad = rest.split()[0]
-                raise CommandError(f"gen: unknown option {bad!r}. Hint: options are "
-                                   f"{', '.join(_OPTS)}; put -- before text that starts with --.")
+                raise _unknown_option(rest.split()[0])
             break
         opt = m.group(1)
-        if opt not in _OPTS:
-            raise CommandError(f"gen: unknown option {opt!r}. Hint: options are "
-                               f"{', '.join(_OPTS)}; put -- before text that starts with --.")
+        if opt in _FLAG_OPTS:
+            if m.group(2) is not None:
+                raise CommandError(f"gen: option {opt} takes no value, got {m.group(2)!r}. "
+                                   f"Hint: gen {opt} TEXT")
+            values[_FLAG_OPTS[opt]] = True
+            rest = rest[len(opt):]
+            continue
+        if opt not in _OPTS and opt not in _NAME_OPTS:
+            raise _unknown_option(opt)
         value = m.group(2) if m.group(2) is not None else m.group(3)
         if value is None:
-            raise CommandError(f"gen: option {opt} needs a value. Hint: e.g. {opt} 1")
-        key, kind, lo, hi = _OPTS[opt]
+            raise CommandError(f"gen: option {opt} needs a value. Hint: e.g. "
+                               f"{opt} {'person' if opt in _NAME_OPTS else 1}")
+        rest = rest[m.end():]
+        if opt in _NAME_OPTS:
+            if not SCHEMA_NAME_RE.match(value):
+                raise CommandError(f"gen: {opt} {value!r} is not a schema name (1..64 of "
+                                   "a-z A-Z 0-9 _ -). Hint: `schema` lists the registered "
+                                   "names.")
+            values[_NAME_OPTS[opt]] = value
+            continue
+        key, kind, lo, hi, example = _OPTS[opt]
         try:
             number = kind(value)
         except ValueError:
@@ -246,14 +299,33 @@ def _parse_gen(rest: str) -> Command:
         if number is None or not lo <= number <= hi:
             what = "an integer" if kind is int else "a number"
             raise CommandError(f"gen: {opt} {value!r} is not {what} from {lo} to {hi}. "
-                               f"Hint: e.g. {opt} {hi if kind is int and hi <= 10 else lo}")
+                               f"Hint: e.g. {opt} {example}")
         values[key] = number
-        rest = rest[m.end():]
+    if values.get("json_object") and values.get("schema"):
+        raise CommandError("gen: --json and --schema together. Hint: --json for any JSON "
+                           "object, --schema NAME for one following schema NAME.")
     text = rest.strip()
     if not text:
         raise CommandError("gen: no text to generate from. Hint: gen Tell me about UARTs")
-    options = GenOptions(**values)  # type: ignore[arg-type]  # _OPTS gives each key its type
+    options = GenOptions(**values)
     return Command("gen", text, options)
+
+
+def _parse_schema(rest: str) -> Command:
+    if not rest:
+        return Command("schema")
+    name, _, text = rest.partition(" ")
+    text = text.strip()
+    if not SCHEMA_NAME_RE.match(name):
+        raise CommandError(f"schema: {name!r} is not a schema name (1..64 of a-z A-Z 0-9 _ -). "
+                           'Hint: schema person {"type": "object"}')
+    if not text:
+        return Command("schema", name)
+    try:
+        schema = schema_from_json(text.encode("utf-8"), f"schema {name}")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    return Command("schema", name, schema=schema)
 
 
 def parse_command(line: str) -> Command:
@@ -266,6 +338,8 @@ def parse_command(line: str) -> Command:
     rest = rest.strip()
     if word == "gen":
         return _parse_gen(rest)
+    if word == "schema":
+        return _parse_schema(rest)
     if word in ("load", "unload"):
         if not rest or not _NAME_RE.match(rest):
             shown = repr(rest) if rest else "nothing"

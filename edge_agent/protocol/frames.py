@@ -24,21 +24,38 @@ Invariants owned here:
   e.g. after a line drop). A frame that stalls for more than `gap_s` (a break condition reads as a
   lone 0x00 too) is abandoned: counted as truncated and reported as `Abandoned`, and the port goes
   back to console mode. Console text never contains 0x00 (see console.OutputEncoder).
+- GENERATE without FLAG_EXT is the original 14-byte layout, byte for byte. With FLAG_EXT an
+  extension block (`ext_len u16`, then `tag u8, len u16, value` entries: frame_ext.py) sits
+  between the fixed fields and the prompt. Unknown flag bits, unknown tags, a wrong value
+  length, a value out of range, bad UTF-8 or bad JSON raise ValueError naming the field (the session NAKs it with
+  BAD_PAYLOAD); `unpack_generate(pack_generate(g)) == g` for every valid `g`.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
+
+from edge_agent.protocol.frame_ext import (
+    MAX_STOP,
+    ExtTag,
+    pack_extension,
+    schema_from_json,
+    unpack_extension,
+)
 
 __all__ = [
     "VERSION", "HEADER", "MAX_PAYLOAD", "FrameType", "NakReason", "ErrorCode", "Frame",
     "FrameError", "Abandoned", "ConsoleBytes", "Generate", "cobs_encode", "cobs_decode",
     "CobsError", "encode_frame", "decode_body", "FrameDecoder", "PortDemux", "pack_generate",
     "unpack_generate", "pack_token", "unpack_token", "pack_done", "unpack_done", "pack_error",
-    "pack_nak", "pack_resume", "unpack_resume", "unpack_reason",
+    "pack_nak", "pack_resume", "unpack_resume", "unpack_reason", "ExtTag", "FLAG_SEED",
+    "FLAG_CHAT", "FLAG_EXT", "MAX_SCHEMAS", "MAX_STOP", "pack_schema", "unpack_schema",
+    "schema_from_json",
 ]
 
 VERSION = 1
@@ -55,6 +72,7 @@ class FrameType(enum.IntEnum):
     CANCEL = 0x02
     STATUS = 0x03
     RESUME = 0x04
+    SCHEMA = 0x05
     # replies (daemon -> MCU)
     ACK = 0x81
     TOKEN = 0x82
@@ -310,6 +328,10 @@ class PortDemux:
 GEN = struct.Struct("<BBHIIH")
 FLAG_SEED = 0x01  # seed field is meaningful (else the daemon picks one)
 FLAG_CHAT = 0x02  # prompt is one user message: apply the model's chat template
+FLAG_EXT = 0x04  # an extension block (ext_len u16 + TLV entries) precedes the prompt
+_FLAGS = FLAG_SEED | FLAG_CHAT | FLAG_EXT
+EXT_LEN = struct.Struct("<H")
+MAX_SCHEMAS = 16  # schemas one port may hold registered (SCHEMA frames)
 
 
 @dataclass(frozen=True)
@@ -321,12 +343,30 @@ class Generate:
     seed: int | None = None
     temperature: float = 0.0
     chat: bool = False
+    # the extension (FLAG_EXT); None / () / False: the daemon's default
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    json_object: bool = False  # the reply is one JSON object
+    schema: dict[str, Any] | None = None  # the reply follows this JSON Schema
+    schema_id: int | None = None  # ... or the one registered under this id (SCHEMA frame)
 
 
 def pack_generate(g: Generate) -> bytes:
-    flags = (FLAG_SEED if g.seed is not None else 0) | (FLAG_CHAT if g.chat else 0)
-    return GEN.pack(g.priority, flags, g.max_tokens, g.deadline_ms, g.seed or 0,
-                    round(g.temperature * 1000)) + g.prompt.encode()
+    ext = pack_extension(g)
+    flags = ((FLAG_SEED if g.seed is not None else 0) | (FLAG_CHAT if g.chat else 0)
+             | (FLAG_EXT if ext else 0))
+    head = GEN.pack(g.priority, flags, g.max_tokens, g.deadline_ms, g.seed or 0,
+                    round(g.temperature * 1000))
+    if ext:
+        head += EXT_LEN.pack(len(ext)) + ext
+    return head + g.prompt.encode()
 
 
 def unpack_generate(payload: bytes) -> Generate:
@@ -340,14 +380,50 @@ def unpack_generate(payload: bytes) -> Generate:
         raise ValueError(f"max_tokens {max_tokens} out of range 1..4096")
     if temp > 2000:
         raise ValueError(f"temperature {temp / 1000} out of range 0..2")
+    if flags & ~_FLAGS:
+        raise ValueError(f"flags 0x{flags:02x}: bits 0x{flags & ~_FLAGS & 0xFF:02x} are "
+                         "reserved. Hint: flags are 1 (seed), 2 (chat), 4 (extension); send "
+                         "the others as 0.")
+    start = GEN.size
+    ext: dict[str, Any] = {}
+    if flags & FLAG_EXT:
+        if len(payload) < start + EXT_LEN.size:
+            raise ValueError(f"GENERATE payload is {len(payload)} bytes; flag 4 (extension) "
+                             f"needs ext_len u16 after the {GEN.size} fixed bytes")
+        (n,) = EXT_LEN.unpack_from(payload, start)
+        start += EXT_LEN.size
+        if start + n > len(payload):
+            raise ValueError(f"GENERATE ext_len {n} runs past the payload ({len(payload) - start}"
+                             " bytes after it). Hint: ext_len counts the entries only, not the "
+                             "prompt.")
+        ext = unpack_extension(payload[start:start + n])
+        start += n
     try:
-        prompt = payload[GEN.size:].decode("utf-8")
+        prompt = payload[start:].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"prompt is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
     if not prompt:
         raise ValueError("empty prompt")
     return Generate(prompt, prio, max_tokens, deadline_ms,
-                    seed if flags & FLAG_SEED else None, temp / 1000, bool(flags & FLAG_CHAT))
+                    seed if flags & FLAG_SEED else None, temp / 1000, bool(flags & FLAG_CHAT),
+                    **ext)
+
+
+def pack_schema(schema_id: int, schema: dict[str, Any] | None) -> bytes:
+    """SCHEMA payload: register `schema` under `schema_id` (None: forget that id)."""
+    text = b"" if schema is None else json.dumps(schema, separators=(",", ":"),
+                                                  ensure_ascii=False).encode("utf-8")
+    return bytes([schema_id]) + text
+
+
+def unpack_schema(payload: bytes) -> tuple[int, dict[str, Any] | None]:
+    """(schema id, schema or None to forget it); raises ValueError naming the bad field."""
+    if not payload:
+        raise ValueError("SCHEMA payload is 0 bytes; needs schema_id u8 + JSON Schema text "
+                         "(nothing after the id forgets it)")
+    if len(payload) == 1:
+        return payload[0], None
+    return payload[0], schema_from_json(payload[1:], f"SCHEMA {payload[0]} text")
 
 
 _U32 = struct.Struct("<I")

@@ -1,8 +1,12 @@
 """The narrow seam between the UART transport and the daemon: `Backend` and its stream events.
 
 Invariants owned here:
-- A transport needs only these eight calls; the daemon's adapter (daemon/uart_backend.py) maps
+- A transport needs only these nine calls; the daemon's adapter (daemon/uart_backend.py) maps
   them onto the same scheduler, priorities, deadlines and request records as the HTTP API.
+- `GenParams` fields left at None / () are the daemon's defaults; `response_format` is the HTTP
+  API's object ({"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}).
+- `check_format(response_format)` raises BackendError when the daemon could not decode with it
+  (the same check a GENERATE with it would meet), so a schema is refused when registered.
 - `events(id, from_index)` yields `Token(index, text)` (index = generated-token index, text =
   whole UTF-8 characters, possibly "") and ends with exactly one `Done` or `Failed`.
 """
@@ -23,6 +27,16 @@ class GenParams:
     max_tokens: int = 64
     temperature: float = 0.0
     seed: int | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    response_format: Mapping[str, Any] | None = None  # None: free text
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,8 @@ class BackendError(EdgeAgentError):
 class Backend(Protocol):
     def submit(self, prompt: str | Sequence[Mapping[str, str]], params: GenParams,
                priority: int | None, timeout_ms: int | None, session: str) -> str: ...
+
+    def check_format(self, response_format: Mapping[str, Any]) -> None: ...
 
     def events(self, request_id: str, from_index: int = 0) -> AsyncIterator[StreamEvent]: ...
 

@@ -9,6 +9,9 @@ Invariants owned here:
   records serve the UART and the Unix socket.
 - Console: one generation at a time per port; Ctrl-C or `cancel` cancels it; the prompt comes
   back when a command has finished. Output goes through `OutputEncoder` (valid UTF-8, CRLF).
+- `schema NAME JSON` registers a JSON Schema for this port's console (checked by the backend's
+  `check_format` first; at most fr.MAX_SCHEMAS names); `gen --schema NAME` and `gen --json` ask
+  for it as the HTTP API's `response_format`. Registrations live as long as the daemon process.
 - Machine mode is `uart_machine.MachineSession`; RESUME replays from a token index, so a line
   drop loses nothing that the daemon still holds.
 - Nothing here raises into the event loop: backend failures become an error line or ERROR frame.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -56,6 +60,12 @@ PROMPT = "edge> "
 CHAT_PROMPT = "you> "
 
 
+def _schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The HTTP API's response_format asking for output that follows `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                   "strict": True}}
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
@@ -88,6 +98,7 @@ class UartSession:
         self._chat: list[dict[str, str]] | None = None
         self._chats = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.schemas: dict[str, dict[str, Any]] = {}  # console schema name -> JSON Schema
         self.machine = MachineSession(backend, write, name=name, stats=self.stats)
         self._timer: asyncio.TimerHandle | None = None
         self._last_console = True
@@ -243,13 +254,57 @@ class UartSession:
             self._chats += 1
             self._chat = []
             self._out("chat: every line is your turn; /exit leaves, Ctrl-C stops a reply.\n")
+        elif cmd.name == "schema":
+            self._schema(cmd)
         elif cmd.name == "gen":
-            opts = cmd.options
-            params = GenParams(max_tokens=opts.max_tokens or 64,
-                               temperature=opts.temperature or 0.0, seed=opts.seed)
-            self._start_gen(cmd.arg, params, opts.priority)
-            return
+            params = self._gen_params(cmd.options)
+            if params is not None:
+                self._start_gen(cmd.arg, params, cmd.options.priority)
+                return
         self._prompt()
+
+    def _schema(self, cmd: con.Command) -> None:
+        if not cmd.arg:
+            self._out("".join(f"{n}: {json.dumps(s, ensure_ascii=False)}\n"
+                              for n, s in self.schemas.items()) or "no schemas registered\n")
+        elif cmd.schema is None:
+            known = self.schemas.get(cmd.arg)
+            self._out(f"{cmd.arg}: {json.dumps(known, ensure_ascii=False)}\n" if known
+                      else f"error: {self._no_schema(cmd.arg)}\n")
+        elif cmd.arg not in self.schemas and len(self.schemas) >= fr.MAX_SCHEMAS:
+            self._out(f"error: schema {cmd.arg}: {fr.MAX_SCHEMAS} schemas are registered on this"
+                      " port already. Hint: reuse a name (registering it again replaces it).\n")
+        else:
+            try:
+                self.backend.check_format(_schema_format(cmd.arg, cmd.schema))
+            except EdgeAgentError as exc:
+                self._out(f"error: schema {cmd.arg}: {exc}\n")
+                return
+            self.schemas[cmd.arg] = cmd.schema
+            self._out(f"schema {cmd.arg} registered; use gen --schema {cmd.arg} TEXT\n")
+
+    def _no_schema(self, name: str) -> str:
+        known = ", ".join(self.schemas) or "none"
+        return (f"no schema named {name!r} on this port (registered: {known}). Hint: register "
+                f"it with `schema {name} {{...JSON Schema...}}`.")
+
+    def _gen_params(self, opts: con.GenOptions) -> GenParams | None:
+        """The request of `gen` options; None after an error line (an unknown schema)."""
+        fmt: dict[str, Any] | None = None
+        if opts.json_object:
+            fmt = {"type": "json_object"}
+        elif opts.schema is not None:
+            schema = self.schemas.get(opts.schema)
+            if schema is None:
+                self._out(f"error: gen: {self._no_schema(opts.schema)}\n")
+                return None
+            fmt = _schema_format(opts.schema, schema)
+        return GenParams(max_tokens=opts.max_tokens or 64, temperature=opts.temperature or 0.0,
+                         seed=opts.seed, top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
+                         presence_penalty=opts.presence_penalty,
+                         frequency_penalty=opts.frequency_penalty,
+                         repeat_penalty=opts.repeat_penalty, repeat_last_n=opts.repeat_last_n,
+                         response_format=fmt)
 
     async def _lifecycle(self, verb: str, name: str) -> None:
         self._out(f"{verb}ing {name} ...\n")

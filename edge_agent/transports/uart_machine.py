@@ -6,6 +6,11 @@ Invariants owned here:
   frames (index = generated-token index, empty pieces skipped) and one DONE or ERROR.
 - RESUME (and a repeated GENERATE id) replaces that id's stream: after the ACK of a RESUME the
   tokens start at the asked index; frames of the old stream never follow that ACK.
+- SCHEMA registers a JSON Schema under a u8 id on this port (at most fr.MAX_SCHEMAS; the same id
+  replaces it, an empty text forgets it): ACK once the backend's `check_format` accepts it,
+  else ERROR BAD_REQUEST with the reason. Registrations live as long as the daemon process.
+- A GENERATE's extension maps one to one onto GenParams; its schema or schema id becomes the
+  HTTP API's `response_format` (json_schema named "schema" / "schema_<id>", strict).
 - Backend failures become ERROR frames; nothing raises into the event loop.
 """
 
@@ -20,6 +25,10 @@ from typing import Any
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol import frames as fr
 from edge_agent.transports.backend import Backend, BackendError, Done, GenParams, Token
+
+# the GENERATE fields copied to GenParams as they are
+_SAMPLING = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+             "repeat_penalty", "repeat_last_n", "stop", "logit_bias")
 
 __all__ = ["MachineSession"]
 
@@ -41,6 +50,56 @@ class MachineSession:
         self.counters = {"naks": 0, "generations": 0}
         self._streams: dict[int, asyncio.Task[None]] = {}
         self._rids: OrderedDict[int, str] = OrderedDict()
+        self.schemas: dict[int, dict[str, Any]] = {}  # id -> response_format
+
+    @staticmethod
+    def _format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "json_schema",
+                "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+    def _params(self, f: fr.Frame, g: fr.Generate) -> GenParams | None:
+        """GenParams of a GENERATE; None after an ERROR frame (an unknown schema id)."""
+        fmt: dict[str, Any] | None = None
+        if g.json_object:
+            fmt = {"type": "json_object"}
+        elif g.schema is not None:
+            fmt = self._format("schema", g.schema)
+        elif g.schema_id is not None:
+            fmt = self.schemas.get(g.schema_id)
+            if fmt is None:
+                self._error(f.rid, "not_found", f"schema id {g.schema_id} is not registered on "
+                            "this port. Hint: send a SCHEMA frame with it first (registrations "
+                            "end when the daemon restarts).")
+                return None
+        return GenParams(g.max_tokens, g.temperature, g.seed,
+                         **{k: getattr(g, k) for k in _SAMPLING}, response_format=fmt)
+
+    def _schema(self, f: fr.Frame) -> None:
+        try:
+            sid, schema = fr.unpack_schema(f.payload)
+        except ValueError as exc:
+            self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+            return
+        if schema is None:
+            self.schemas.pop(sid, None)
+            self._send(fr.FrameType.ACK, f.rid)
+            return
+        if sid not in self.schemas and len(self.schemas) >= fr.MAX_SCHEMAS:
+            self._error(f.rid, "invalid_request", f"schema id {sid}: {fr.MAX_SCHEMAS} schemas "
+                        "are registered on this port already. Hint: reuse an id (the same id "
+                        "replaces its schema) or forget one (SCHEMA with the id alone).")
+            return
+        fmt = self._format(f"schema_{sid}", schema)
+        try:
+            self.backend.check_format(fmt)
+        except BackendError as exc:
+            self._error(f.rid, exc.code, f"schema id {sid}: {exc}")
+            return
+        except EdgeAgentError as exc:
+            self._error(f.rid, "failed", f"schema id {sid}: {exc}")
+            return
+        self.schemas[sid] = fmt
+        self._send(fr.FrameType.ACK, f.rid)
 
     async def close(self) -> None:
         tasks = list(self._streams.values())
@@ -73,9 +132,11 @@ class MachineSession:
                 return
             prompt: str | list[dict[str, str]] = (
                 [{"role": "user", "content": g.prompt}] if g.chat else g.prompt)
+            params = self._params(f, g)
+            if params is None:
+                return
             try:
-                rid = self.backend.submit(prompt, GenParams(g.max_tokens, g.temperature, g.seed),
-                                          g.priority, g.deadline_ms or None,
+                rid = self.backend.submit(prompt, params, g.priority, g.deadline_ms or None,
                                           f"uart:{self.name}:mcu")
             except BackendError as exc:
                 self._error(f.rid, exc.code, str(exc))
@@ -109,6 +170,8 @@ class MachineSession:
                 return
             self._send(fr.FrameType.ACK, f.rid)
             self._stream_frames(f.rid, rid, start)
+        elif t == fr.FrameType.SCHEMA:
+            self._schema(f)
         elif t == fr.FrameType.STATUS:
             try:
                 st = self.backend.status()
@@ -120,7 +183,7 @@ class MachineSession:
             self._send(fr.FrameType.STATUS_REPLY, f.rid, data[:fr.MAX_PAYLOAD])
         else:
             self.nak(f.rid, fr.NakReason.UNKNOWN_TYPE,
-                      f"type 0x{t:02x} is a reply type; an MCU sends 0x01-0x04")
+                      f"type 0x{t:02x} is a reply type; an MCU sends 0x01-0x05")
 
     def _stream_frames(self, mcu_id: int, rid: str, start: int) -> None:
         old = self._streams.pop(mcu_id, None)
