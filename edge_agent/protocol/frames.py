@@ -27,8 +27,9 @@ Invariants owned here:
 - GENERATE without FLAG_EXT is the original 14-byte layout, byte for byte. With FLAG_EXT an
   extension block (`ext_len u16`, then `tag u8, len u16, value` entries: frame_ext.py) sits
   between the fixed fields and the prompt. Unknown flag bits, unknown tags, a wrong value
-  length, a value out of range, bad UTF-8 or bad JSON raise ValueError naming the field (the session NAKs it with
-  BAD_PAYLOAD); `unpack_generate(pack_generate(g)) == g` for every valid `g`.
+  length, a value out of range, bad UTF-8 or bad JSON raise ValueError naming the field (the
+  session NAKs it with BAD_PAYLOAD); `unpack_generate(pack_generate(g)) == g` for every valid
+  `g`.
 """
 
 from __future__ import annotations
