@@ -185,15 +185,17 @@ def test_unknown_fields_are_refused_naming_them(chat: bool, body: dict, param: s
 def test_ignored_fields_are_accepted_and_type_checked() -> None:
     body = {"messages": CHAT_MSGS, "user": "u1", "store": False, "metadata": {"k": "v"},
             "service_tier": "auto", "parallel_tool_calls": True, "safety_identifier": "s",
-            "prompt_cache_key": "p", "n": 1, "stream_options": None}
+            "prompt_cache_key": "p", "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"ttl": "5m"}, "n": 1, "stream_options": None}
     r = parse(body, chat=True)
     assert r.messages is not None and r.max_tokens == UNTIL_CONTEXT
     assert parse({"prompt": "x", "user": "u", "n": None, "stream": None}).stream is False
     assert set(IGNORED_FIELDS) == {"user", "store", "metadata", "service_tier",
                                    "parallel_tool_calls", "safety_identifier",
-                                   "prompt_cache_key"}
+                                   "prompt_cache_key", "prompt_cache_retention",
+                                   "prompt_cache_options"}
     for key, value in (("user", 3), ("store", "yes"), ("metadata", {"k": 1}),
-                       ("parallel_tool_calls", "no")):
+                       ("parallel_tool_calls", "no"), ("prompt_cache_retention", "1h")):
         err = bad({"messages": CHAT_MSGS, key: value}, chat=True)
         assert err.code == "invalid_request" and err.param == key and "ignored" in err.message
     assert "n=1" in bad({"messages": CHAT_MSGS, "n": 2}, chat=True).message
