@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import (
@@ -36,6 +37,7 @@ from edge_agent.protocol.api import (
     query_int,
     sse_event,
 )
+from edge_agent.protocol.embeddings import parse_embeddings
 from edge_agent.transports.http import Request, Response, StreamResponse
 from edge_agent.wallclock import health_times
 
@@ -94,6 +96,7 @@ class Router:
              {"POST": self.model_action}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat}),
+            (re.compile(r"/v1/embeddings"), {"POST": self.embeddings}),
             (re.compile(r"/v1/requests"), {"POST": self.create_request}),
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)"),
              {"GET": self.get_request, "DELETE": self.delete_request}),
@@ -122,8 +125,8 @@ class Router:
                 return await fn(req, **m.groupdict())
             raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
                            "see GET /health, /metrics, /v1/models, /v1/models/{id}, POST "
-                           "/v1/completions, /v1/chat/completions, /v1/requests, /tokenize, "
-                           "/detokenize (docs/api.md).")
+                           "/v1/completions, /v1/chat/completions, /v1/embeddings, "
+                           "/v1/requests, /tokenize, /detokenize (docs/api.md).")
         except ApiError as exc:
             return Response(exc.status, exc.body(), headers=exc.headers)
         except EdgeAgentError as exc:
@@ -225,6 +228,9 @@ class Router:
             if not rec.done.is_set():  # the client hung up: the transport cancelled us
                 self.d.cancel(rec.id, why="client disconnected")
         return self._final(rec)
+
+    async def embeddings(self, req: Request) -> Reply:
+        return _json(200, await create_embeddings(self.d, parse_embeddings(req.body)))
 
     def _final(self, rec: RequestRecord) -> Response:
         if rec.error is not None:
