@@ -27,10 +27,10 @@ from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams
 
-__all__ = ["EMBED_BATCH_TOKENS", "ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "POOLINGS",
-           "EngineLike", "ModelFacts", "TokenizerLike", "embedding_pooling",
-           "llamacpp_budget_bytes", "llamacpp_embed_bytes", "load_engine", "model_facts",
-           "open_tokenizer", "resolve_engine"]
+__all__ = ["EMBED_BATCH_TOKENS", "EMBED_LM_HEAD_BYTES", "ENGINES", "LLAMACPP_RUNNER_BASE_BYTES",
+           "POOLINGS", "EngineLike", "ModelFacts", "TokenizerLike", "embed_batch_tokens",
+           "embedding_pooling", "llamacpp_budget_bytes", "llamacpp_embed_bytes", "load_engine",
+           "model_facts", "open_tokenizer", "resolve_engine"]
 
 ENGINES = ("auto", "llamacpp", "numpy")
 
@@ -44,10 +44,13 @@ LLAMACPP_RUNNER_BASE_BYTES = 48 << 20
 # llama_pooling_type values. 0 (none) and 4 (rank, a reranker's head) pool no sentence vector.
 POOLINGS = ("model", "mean", "cls", "last")
 _POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
-# Tokens per llama_decode of the embedding context. In embeddings mode llama.cpp computes every
-# token's output, LM head included, so the compute and output buffers grow by ~2 x vocab x 4
-# bytes per token of a decode (Gemma 3: 2 MiB a token); 32 keeps that at 64 MiB for Gemma 3.
-EMBED_BATCH_TOKENS = 32
+# Tokens per llama_decode of the embedding context (`embed_batch_tokens`). In embeddings mode
+# llama.cpp computes every token's output, LM head included, so its compute and output buffers
+# grow by ~2 x vocab x 4 bytes per token of a decode (Gemma 3: 2 MiB a token). Larger decodes
+# are faster (SmolLM2, 256 tokens: 8.2 CPU-s at 32 a decode, 3.9 at 128), so a decode takes as
+# many tokens as EMBED_LM_HEAD_BYTES of those buffers allow, within these bounds.
+EMBED_BATCH_TOKENS = (32, 128)
+EMBED_LM_HEAD_BYTES = 64 << 20
 
 
 class TokenizerLike(Protocol):
@@ -243,9 +246,15 @@ def llamacpp_budget_bytes(facts: ModelFacts, max_batch: int, context: int, *,
     return facts.tensor_bytes + kv + compute + embed + overhead_bytes
 
 
+def embed_batch_tokens(vocab_size: int) -> int:
+    """Tokens per decode of a llama.cpp embedding context (see EMBED_LM_HEAD_BYTES)."""
+    lo, hi = EMBED_BATCH_TOKENS
+    return max(lo, min(hi, EMBED_LM_HEAD_BYTES // max(1, 8 * vocab_size)))
+
+
 def llamacpp_embed_bytes(facts: ModelFacts, context: int) -> int:
     """The embedding context of a llama.cpp runner: its own KV cache (one sequence of
-    `context` tokens) and compute and output buffers for EMBED_BATCH_TOKENS tokens, every
+    `context` tokens) and compute and output buffers for `embed_batch_tokens` tokens, every
     one with its LM-head row (measured on Gemma 3 270M: 78 MiB at context 512)."""
-    return (facts.kv_bytes(context) + 2 * EMBED_BATCH_TOKENS * 4 * facts.vocab_size
-            + (8 << 20))
+    return (facts.kv_bytes(context) + 8 * embed_batch_tokens(facts.vocab_size)
+            * facts.vocab_size + (8 << 20))

@@ -23,7 +23,7 @@ Invariants owned here:
 - The llama.cpp library is initialised once per process; its log goes to Python `logging`
   (logger `edge_agent.llama`), warnings and errors only.
 - `embed` never touches the generation context: sentence vectors come from a second llama
-  context (embeddings on, one sequence of `context` tokens, EMBED_BATCH_TOKENS per decode),
+  context (embeddings on, one sequence of `context` tokens, `embed_batch_tokens` per decode),
   created at the first `embed` and emptied after each input. It takes every token's final
   normed hidden state (llama.cpp's pooling "none") and pools them here as llama.cpp's
   mean/cls/last pooling does, because llama.cpp pools only within one decode: its own pooling
@@ -47,7 +47,7 @@ import numpy as np
 
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.runtime import memlock
-from edge_agent.runtime.engines import EMBED_BATCH_TOKENS, embedding_pooling
+from edge_agent.runtime.engines import embed_batch_tokens, embedding_pooling
 from edge_agent.runtime.llama_vocab import (
     LlamaVocab,
     check_gguf,
@@ -200,6 +200,7 @@ class LlamaCppEngine:
         self.n_embd = int(lib.llama_model_n_embd(model))
         self._embed_ctx: Any = None
         self._embed_batch: Any = None
+        self.embed_batch = embed_batch_tokens(self.n_vocab)  # tokens per embedding decode
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -499,8 +500,8 @@ class LlamaCppEngine:
         try:
             for k, ids in enumerate(lists):
                 total = np.zeros(self.n_embd, np.float64)
-                for start in range(0, len(ids), EMBED_BATCH_TOKENS):
-                    chunk = ids[start:start + EMBED_BATCH_TOKENS]
+                for start in range(0, len(ids), self.embed_batch):
+                    chunk = ids[start:start + self.embed_batch]
                     rows = self._embed_decode(ctx, chunk, start)  # (T, n_embd)
                     if self.pooling == "mean":
                         total += rows.sum(axis=0, dtype=np.float64)
@@ -524,13 +525,13 @@ class LlamaCppEngine:
         if not self._causal:
             raise LlamaCppError(
                 f"{self.path}: the model attends both ways (non-causal), so its inputs cannot "
-                f"be embedded {EMBED_BATCH_TOKENS} tokens at a time. Hint: use llama-server "
+                f"be embedded {self.embed_batch} tokens at a decode. Hint: use llama-server "
                 "for encoder-only embedding models.")
         lib = self._lib
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.context
-        cparams.n_batch = EMBED_BATCH_TOKENS
-        cparams.n_ubatch = EMBED_BATCH_TOKENS
+        cparams.n_batch = self.embed_batch
+        cparams.n_ubatch = self.embed_batch
         cparams.n_seq_max = 1
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
@@ -539,7 +540,7 @@ class LlamaCppEngine:
         # that is none already: llama.cpp warns when a context overrides the model's pooling)
         cparams.pooling_type = 0 if self._declared_pooling > 0 else -1
         # f32 attention: flash attention rounds the queries to f16 (vectors moved by ~2e-3);
-        # its memory saving is small at EMBED_BATCH_TOKENS queries
+        # its memory saving is small at embed_batch queries
         cparams.flash_attn_type = 0
         cparams.swa_full = False
         cparams.no_perf = True
@@ -550,7 +551,7 @@ class LlamaCppEngine:
                 f"{self.context} tokens ({recent_errors() or 'out of memory?'}). Hint: lower "
                 "the model's context.")
         self._embed_ctx = ctx
-        self._embed_batch = lib.llama_batch_init(EMBED_BATCH_TOKENS, 0, 1)
+        self._embed_batch = lib.llama_batch_init(self.embed_batch, 0, 1)
         return ctx
 
     def _embed_decode(self, ctx: Any, tokens: list[int], pos0: int) -> np.ndarray:
