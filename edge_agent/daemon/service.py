@@ -237,6 +237,9 @@ class ModelService:
         try:
             attempt = 0
             while done < len(groups):
+                if self.daemon.stopping and not self.lifecycle.can_serve:
+                    raise EmbeddingError(f"model {self.name!r}: the daemon is shutting down "
+                                         "and loads no model. Hint: retry when it is back.")
                 failed = await self.load_and_wait()
                 if failed is not None:
                     raise EmbeddingError(f"model {self.name!r} could not be loaded: {failed}")
