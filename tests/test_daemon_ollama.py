@@ -50,6 +50,7 @@ def daemon() -> Iterator[Daemon]:
         f'tcp = "127.0.0.1:{port}"\ndrain_timeout_s = 5\n'
         '[runtime]\nengine = "llamacpp"\nmlock = "off"\nthreads = 1\n'
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = 2\npreload = true\n"
+        'pooling = "mean"\n'  # /api/embed
     )
     with launch(Daemon, root, serve_argv(cfg)) as d:
         d.port = port  # type: ignore[attr-defined]  # this test's own note on the Daemon
@@ -257,8 +258,13 @@ def test_bad_inputs_are_response_errors_with_their_status(client: Any, base: str
         assert r.status_code == 400 and set(r.json()) == {"error"}
         r = h.get("/api/chat")  # Ollama's error shape for every /api/ path
         assert r.status_code == 405 and "POST" in r.json()["error"]
-        r = h.post("/api/embed", json={"model": "smollm2", "input": "x"})
-        assert r.status_code == 404 and "/api/chat" in r.json()["error"]
+        r = h.post("/api/pull", json={"model": "smollm2"})  # no model store here
+        assert r.status_code == 404 and "/api/embed" in r.json()["error"]
+        r = h.post("/api/embed", json={"model": "smollm2", "input": ["x", ""]})
+        assert r.status_code == 400 and "'input'" in r.json()["error"]
+        r = h.post("/api/embed", json={"model": "smollm2", "input": "x", "truncate": False,
+                                       "frobnicate": 1})
+        assert r.status_code == 400 and "'frobnicate'" in r.json()["error"]
         r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
                                           "keep_alive": "soon"})
         assert r.status_code == 400 and "'keep_alive'" in r.json()["error"]
@@ -406,3 +412,29 @@ def test_bad_tools_are_400s_naming_the_field(client: Any, base: str) -> None:
         r = h.post("/api/generate", json={"model": "smollm2", "prompt": "Hi",
                                           "tools": [WEATHER]})
         assert r.status_code == 400 and "'tools'" in r.json()["error"]  # chat only
+
+
+def test_embed_matches_the_openai_route(client: Any, daemon: Daemon) -> None:
+    import math
+
+    texts = ["The cat sat on the mat.", "Boards run models at the edge."]
+    r = client.embed(model="smollm2", input=texts)
+    assert len(r.embeddings) == 2 and r.prompt_eval_count > 0
+    for v in r.embeddings:
+        assert math.isclose(math.sqrt(sum(x * x for x in v)), 1.0, rel_tol=1e-4)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.sock)),
+                      base_url="http://localhost") as h:
+        ref = h.post("/v1/embeddings", json={"model": "smollm2", "input": texts},
+                     timeout=240).json()
+    assert r.prompt_eval_count == ref["usage"]["prompt_tokens"]
+    for got, want in zip(r.embeddings, ref["data"], strict=True):
+        assert max(abs(a - b) for a, b in zip(got, want["embedding"], strict=True)) < 1e-6
+    legacy = client.embeddings(model="smollm2:latest", prompt=texts[0])
+    assert max(abs(a - b) for a, b in zip(legacy.embedding, r.embeddings[0], strict=True)) < 1e-6
+    # truncate (Ollama's default) cuts an input to the context; truncate false refuses it
+    long = "word " * (CONTEXT * 2)
+    assert len(client.embed(model="smollm2", input=long).embeddings) == 1
+    with pytest.raises(ollama.ResponseError) as info:
+        client.embed(model="smollm2", input=long, truncate=False)
+    status, text = _error(info)
+    assert status == 400 and "context" in text

@@ -37,7 +37,9 @@ def daemon(gemma_path: Path) -> Iterator[Daemon]:
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
         '[runtime]\nengine = "llamacpp"\nthreads = 2\n[journal]\nenabled = false\n'
         f'[models.smollm2]\npath = "{default_model_path()}"\ncontext = 512\nmax_batch = 4\n'
-        f'[models.gemma]\npath = "{gemma_path}"\ncontext = 512\nmax_batch = 4\n')
+        f'[models.gemma]\npath = "{gemma_path}"\ncontext = 512\nmax_batch = 4\n'
+        f'[models.gemma-embed]\npath = "{gemma_path}"\ncontext = 512\nmax_batch = 4\n'
+        'pooling = "mean"\n')
     with launch(Daemon, root, serve_argv(cfg)) as d:
         yield d
 
@@ -53,4 +55,19 @@ def test_budget_within_15_percent_of_the_runner_rss(daemon: Daemon, model: str) 
     rss = _rss(int(m["runner_pid"]))
     ratio = m["budget_bytes"] / rss
     assert 0.85 <= ratio <= 1.15, (f"{model}: budget {m['budget_bytes'] >> 20} MiB, runner RSS "
+                                   f"{rss >> 20} MiB, ratio {ratio:.3f}")
+
+
+def test_budget_of_a_model_that_embeds_counts_its_embedding_context(daemon: Daemon) -> None:
+    """Its first embedding request creates the embedding context: still within 15 %."""
+    status, r = daemon.json("POST", "/v1/completions", {
+        "model": "gemma-embed", "prompt": "hello world, " * 160, "max_tokens": 8})
+    assert status == 200, r
+    status, r = daemon.json("POST", "/v1/embeddings", {
+        "model": "gemma-embed", "input": ["edge boards run models. " * 80] * 2})
+    assert status == 200, r
+    m = daemon.health()["models"]["gemma-embed"]
+    rss = _rss(int(m["runner_pid"]))
+    ratio = m["budget_bytes"] / rss
+    assert 0.85 <= ratio <= 1.15, (f"budget {m['budget_bytes'] >> 20} MiB, runner RSS "
                                    f"{rss >> 20} MiB, ratio {ratio:.3f}")

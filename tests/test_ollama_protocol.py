@@ -233,3 +233,20 @@ def test_bad_tools_name_the_field(body: dict[str, Any], param: str, words: str) 
         chat(**body)
     assert info.value.status == 400 and info.value.param == param, info.value.message
     assert words in info.value.message and "Hint:" in info.value.message
+
+
+def test_embed_requests_map_onto_the_embeddings_request() -> None:
+    from edge_agent.protocol.ollama import parse_embed
+
+    e = parse_embed(b'{"model": "m:latest", "input": ["a", "b"], "truncate": false}')
+    assert e.request.inputs == ("a", "b") and e.request.truncate is False and not e.legacy
+    one = parse_embed(b'{"model": "m", "prompt": "a"}', legacy=True)
+    assert one.request.inputs == ("a",) and one.request.single and one.request.truncate
+    for body, param in ((b'{"model": "m", "input": []}', "input"),
+                        (b'{"model": "m", "input": 3}', "input"),
+                        (b'{"model": "m", "input": "a", "prompt": "b"}', "prompt"),
+                        (b'{"model": "m", "input": "a", "dimensions": 0}', "dimensions"),
+                        (b'{"model": "m", "input": "a", "options": 1}', "options")):
+        with pytest.raises(ApiError) as info:
+            parse_embed(body)
+        assert info.value.status == 400 and info.value.param == param, body

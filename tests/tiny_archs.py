@@ -117,9 +117,10 @@ def type_of(name: str) -> str:
     return "F32" if name.endswith(".bias") or base.endswith("norm") else QUANT_MIX[base]
 
 
-def write_tiny_arch(path: Path, arch: str, *, seed: int = 0, source: Path | None = None
-                    ) -> Path:
-    """Write a tiny `arch` GGUF at `path`; returns `path`."""
+def write_tiny_arch(path: Path, arch: str, *, seed: int = 0, source: Path | None = None,
+                    pooling: str | None = None) -> Path:
+    """Write a tiny `arch` GGUF at `path`; returns `path`. `pooling` ("mean", "cls", "last")
+    declares `<arch>.pooling_type`, as an embedding model's GGUF does."""
     import gguf
 
     if arch not in ARCHS:
@@ -141,6 +142,8 @@ def write_tiny_arch(path: Path, arch: str, *, seed: int = 0, source: Path | None
     w.add_head_count_kv(s["kv_heads"])
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if pooling is not None:
+        w.add_pooling_type(gguf.PoolingType[pooling.upper()])
     if arch == "phi3":
         w.add_rope_dimension_count(hd)
     elif arch == "gemma3":

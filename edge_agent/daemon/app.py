@@ -592,7 +592,8 @@ class Daemon:
         # drain bound is answered first (below), then its connection delivers that answer
         # (a 503 naming the id, or a stream's error event and [DONE]); never cut before.
         http_close = asyncio.ensure_future(self.http.close(timeout=drain + ANSWER_GRACE_S))
-        while any(s.active for s in self.services.values()) and time.monotonic() < deadline:
+        while (any(s.active or s.embeds for s in self.services.values())
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         for rec in list(self.records.values()):
             if not rec.done.is_set() and kept:

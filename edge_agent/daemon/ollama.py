@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.daemon import structured
+from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError
@@ -41,6 +42,7 @@ from edge_agent.protocol.ollama import (
     API_VERSION,
     FOREVER_EPOCH,
     KeepAlive,
+    OllamaEmbed,
     OllamaRequest,
     Stats,
     chunk,
@@ -50,6 +52,7 @@ from edge_agent.protocol.ollama import (
     ndjson,
     ollama_tool_calls,
     parse_chat,
+    parse_embed,
     parse_generate,
     parse_show,
     renamed,
@@ -133,6 +136,8 @@ class OllamaRoutes:
             (re.compile(r"/api/show"), {"POST": self.show}),
             (re.compile(r"/api/chat"), {"POST": self.chat}),
             (re.compile(r"/api/generate"), {"POST": self.generate}),
+            (re.compile(r"/api/embed"), {"POST": self.embed}),
+            (re.compile(r"/api/embeddings"), {"POST": self.embeddings}),
         ]
 
     # -- helpers -------------------------------------------------------------------------------
@@ -168,6 +173,33 @@ class OllamaRoutes:
     async def root(self, req: Request) -> Reply:
         body = b"" if req.method == "HEAD" else b"Ollama is running"
         return Response(200, body, content_type="text/plain; charset=utf-8")
+
+    # -- embeddings ------------------------------------------------------------------------------
+    async def embed(self, req: Request) -> Reply:
+        return await self._embed(parse_embed(req.body))
+
+    async def embeddings(self, req: Request) -> Reply:
+        return await self._embed(parse_embed(req.body, legacy=True))
+
+    async def _embed(self, oreq: OllamaEmbed) -> Reply:
+        """The OpenAI route's path (admission, tokenization, the runner), Ollama's shapes."""
+        svc = self._service(oreq.model)
+        t0 = time.monotonic()
+        loaded = svc.lifecycle.state in (ModelState.SERVING, ModelState.IDLE)
+        d = self.d
+        body = await create_embeddings(
+            dataclasses.replace(oreq.request, model=svc.name), stopping=d.stopping,
+            check_admission=d.memory.check_admission, services=d.services,
+            default_model=svc.name, tokenizer=d._tokenizer)
+        self._keep_alive(svc, oreq.keep_alive)
+        vectors = [item["embedding"] for item in body["data"]]
+        if oreq.legacy:
+            return _json(200, {"embedding": vectors[0]})
+        total = time.monotonic() - t0
+        return _json(200, {"model": oreq.model, "embeddings": vectors,
+                           "total_duration": int(total * 1e9),
+                           "load_duration": 0 if loaded else int(total * 1e9),
+                           "prompt_eval_count": body["usage"]["prompt_tokens"]})
 
     async def version(self, req: Request) -> Reply:
         return _json(200, {"version": API_VERSION})

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from edge_agent.daemon import structured
+from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError, ServiceError
@@ -45,6 +46,7 @@ from edge_agent.protocol.api import (
     sse_event,
     usage_chunk,
 )
+from edge_agent.protocol.embeddings import parse_embeddings
 from edge_agent.protocol.ollama import error_body as ollama_error_body
 from edge_agent.protocol.ollama import is_ollama_path
 from edge_agent.transports.http import Request, Response, StreamResponse
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["Router", "cgroup_info"]
 
 OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POST /api/chat, "
-                 "/api/generate, /api/show (docs/api.md).")
+                 "/api/generate, /api/show, /api/embed, /api/embeddings (docs/api.md).")
 QUERY_KEYS = {"events": ("from",), "flash_ports": ("port",)}  # other routes take no query
 Reply = Response | StreamResponse
 
@@ -115,6 +117,7 @@ class Router:
              {"POST": self.model_action}),
             (re.compile(r"/v1/completions"), {"POST": self.completions}),
             (re.compile(r"/v1/chat/completions"), {"POST": self.chat}),
+            (re.compile(r"/v1/embeddings"), {"POST": self.embeddings}),
             (re.compile(r"/v1/requests"), {"POST": self.create_request}),
             (re.compile(r"/v1/requests/(?P<rid>[^/]+)"),
              {"GET": self.get_request, "DELETE": self.delete_request}),
@@ -147,8 +150,8 @@ class Router:
                                f"Hint: {OLLAMA_ROUTES}")
             raise ApiError(404, "not_found", f"{req.method} {path}: no such endpoint. Hint: "
                            "see GET /health, /metrics, /v1/models, /v1/models/{id}, POST "
-                           "/v1/completions, /v1/chat/completions, /v1/requests, /tokenize, "
-                           "/detokenize (docs/api.md).")
+                           "/v1/completions, /v1/chat/completions, /v1/embeddings, "
+                           "/v1/requests, /tokenize, /detokenize (docs/api.md).")
         except (ApiError, ServiceError) as exc:
             err = exc if isinstance(exc, ApiError) else api_error(exc)  # a domain error's status
             if is_ollama_path(path):  # Ollama's shape: {"error": message}
@@ -255,6 +258,13 @@ class Router:
             if not rec.done.is_set():  # the client hung up: the transport cancelled us
                 self.d.cancel(rec.id, why="client disconnected")
         return self._final(rec)
+
+    async def embeddings(self, req: Request) -> Reply:
+        d = self.d
+        return _json(200, await create_embeddings(
+            parse_embeddings(req.body), stopping=d.stopping,
+            check_admission=d.memory.check_admission, services=d.services,
+            default_model=d.config.default_model, tokenizer=d._tokenizer))
 
     def _final(self, rec: RequestRecord) -> Response:
         if rec.error is not None:

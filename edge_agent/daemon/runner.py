@@ -13,6 +13,9 @@ Invariants owned here:
   the next one: a resumed request continues where it stopped), then one batched decode step
   of the listed sequences. The reply's `logprobs` holds, for each sequence whose params ask,
   `[chosen token's logprob, [[id, logprob], ...the N most likely]]`.
+- An `embed` message (token-id lists) is answered with one L2-normalized vector per list,
+  float32 little-endian, base64 (`embedded`), or the engine's refusal in `error`; it runs in
+  the engine's embedding context, between two steps, and changes no sequence.
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
 - Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
@@ -23,6 +26,7 @@ Invariants owned here:
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 import os
 import signal
@@ -58,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="0: the cores this runner may use")
     p.add_argument("--engine", default="auto", help="auto, llamacpp or numpy")
     p.add_argument("--log-level", default="INFO", help="the control plane's edge_agent level")
+    p.add_argument("--pooling", default="model", help="embeddings: model, mean, cls or last")
     return p
 
 
@@ -121,6 +126,18 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _embed(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        vectors = engine.embed([[int(i) for i in ids] for ids in msg.get("inputs", ())])
+    except (TypeError, ValueError, EdgeAgentError) as exc:
+        return {"op": "embedded", "error": str(exc)}
+    data = vectors.astype("<f4", copy=False).tobytes()
+    return {"op": "embedded", "count": int(vectors.shape[0]), "dim": int(vectors.shape[1]),
+            "data": base64.b64encode(data).decode("ascii"),
+            "embed_s": time.perf_counter() - t0}
+
+
 def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     last = [0.0]
@@ -137,7 +154,7 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine = load_engine(args.engine, Path(args.model), state_dir=Path(args.state_dir),
                              dtype=args.dtype, mlock=args.mlock, max_batch=args.max_batch,
                              context=args.context, threads=args.threads or None,
-                             progress=progress)
+                             progress=progress, pooling=args.pooling)
     except EdgeAgentError as exc:
         send_frame(sock, {"op": "failed", "error": str(exc)})
         return 1
@@ -165,6 +182,8 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         op = msg.get("op")
         if op == "step":
             send_frame(sock, _step(engine, msg))
+        elif op == "embed":
+            send_frame(sock, _embed(engine, msg))
         elif op == "ping":
             send_frame(sock, {"op": "pong", "free_blocks": engine.free_blocks})
         elif op == "shutdown":

@@ -5,6 +5,11 @@ Invariants owned here:
   steps are strictly ordered. Each loop turn sends ONE message: releases (finished, cancelled
   or expired sequences), prefill of the jobs `Scheduler.take` starts now, one decode step of the
   sequences already running. New sequences therefore join at the next step (continuous batching).
+- The one exception: `embed` (sentence embeddings) sends its own `embed` messages. They wait
+  for the runner's lock (`RunnerHandle.call`: one request outstanding) and so run between two
+  steps, each of at most EMBED_MSG_TOKENS input tokens, so a long embedding request delays a
+  step by one such message at most. While one runs the model is in use: no ttl unload, no
+  eviction, and the shutdown drain waits for it.
 - One step of lookahead: a turn sends the next message BEFORE it takes in the previous reply,
   so the runner never waits for the control plane between steps. A sequence whose token is
   still in flight is stepped ahead only when that token cannot end it by length (its KV never
@@ -56,16 +61,27 @@ from edge_agent.scheduler import (
 if TYPE_CHECKING:
     from edge_agent.daemon.app import Daemon
 
-__all__ = ["ModelService", "EvictionTimeout"]
+__all__ = ["ModelService", "EmbeddingError", "EvictionTimeout", "EMBED_MSG_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 EVICT_WAIT_S = 60.0  # how long a load waits for the models it evicts to unload
 EVICT_ROUNDS = 3
+EMBED_MSG_TOKENS = 512  # input tokens of one `embed` runner message (more inputs: more messages)
+EMBED_ATTEMPTS = 2  # runs of an embedding request's remaining messages (a runner death: one more)
 
 
 class EvictionTimeout(EdgeAgentError):
     """A load could not make room: the models it evicted did not unload in time."""
+
+
+class EmbeddingError(EdgeAgentError):
+    """An embedding request the model cannot serve; `refused` when the model or its engine
+    computes no embeddings (the request's fault, not the daemon's)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class ModelService:
@@ -103,6 +119,8 @@ class ModelService:
         self._inflight_size = 0
         self._pending_ids: set[str] = set()  # sequences with a token in that reply
         self._load_progress: tuple[int, int] | None = None
+        self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the tokenizer
+        self.embeds = 0  # embedding requests using the runner now (embed())
 
     # -- control-plane helpers -----------------------------------------------------------------
     def path(self) -> Path:
@@ -135,10 +153,14 @@ class ModelService:
         )
 
         facts = model_facts(self.path())
+        self.facts = facts
         if facts.context_length:
             self.context = min(self.context, facts.context_length)
-        self.budget_bytes = llamacpp_budget_bytes(facts, self.max_batch, self.context,
-                                                  overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES)
+        # a model that pools (its own pooling type, or models.NAME.pooling) creates an
+        # embedding context at its first embedding request: its memory counts from the start
+        self.budget_bytes = llamacpp_budget_bytes(
+            facts, self.max_batch, self.context, overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES,
+            embeddings=self._pooling(facts) is not None)
         self.tokenizer_from = "gguf"
         return open_tokenizer("llamacpp", self.path())
 
@@ -165,6 +187,109 @@ class ModelService:
         if tok is None:
             tok = Tokenizer.from_metadata(meta, source=str(self.path()))
         return tok
+
+    def _pooling(self, facts: Any) -> str | None:
+        from edge_agent.runtime.engines import embedding_pooling
+
+        return embedding_pooling(facts.pooling_type, self.entry.pooling)
+
+    def embedding_refusal(self) -> str | None:
+        """Why this model computes no sentence embeddings (None: it does); after
+        ensure_tokenizer() (the engine is resolved and the GGUF's metadata read with it)."""
+        if self.engine != "llamacpp":
+            return (f"model {self.name!r}: engine {self.engine} computes no embeddings. Hint: "
+                    "use the llamacpp engine (runtime.engine = \"llamacpp\" or \"auto\" "
+                    "with llama-cpp-python installed).")
+        if self._pooling(self.facts) is None:
+            arch = self.facts.architecture
+            return (f"model {self.name!r} declares no pooling type (its GGUF has no "
+                    f"{arch}.pooling_type, as generative models do not), so it has no "
+                    "sentence embedding. Hint: use an embedding model; or set "
+                    f"models.{self.name}.pooling = \"mean\" (or \"last\" or \"cls\") to "
+                    "pool this model's hidden states anyway (vectors of a model not trained "
+                    "for it rank text similarity poorly).")
+        return None
+
+    @property
+    def embedding_length(self) -> int | None:
+        """The length of this model's sentence vectors (its hidden size) when it embeds."""
+        return None if self.facts is None else int(self.facts.embedding_length)
+
+    async def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
+        """Sentence embeddings: one L2-normalized vector per token-id list, pooled as the
+        model's GGUF or `models.NAME.pooling` says (docs/api.md#embeddings).
+
+        The model is loaded on demand as for generation (a load failure raises
+        EmbeddingError). The inputs go to the runner in messages of at most EMBED_MSG_TOKENS
+        tokens, each between two decode steps of running generations; a runner that dies
+        meanwhile is reloaded and the unfinished messages sent again (EMBED_ATTEMPTS). Inputs
+        must be non-empty lists of this model's token ids of at most `context` tokens (the
+        runner refuses others: EmbeddingError). Callers check `embedding_refusal()` first;
+        a model that cannot embed raises EmbeddingError(refused=True). Cancelling the caller
+        (a client that hung up) sends no further message."""
+        self.ensure_tokenizer()
+        refusal = self.embedding_refusal()
+        if refusal is not None:
+            raise EmbeddingError(refusal, refused=True)
+        groups: list[list[list[int]]] = []
+        size = EMBED_MSG_TOKENS
+        for ids in token_lists:
+            if size + len(ids) > EMBED_MSG_TOKENS:
+                groups.append([])
+                size = 0
+            groups[-1].append(list(ids))
+            size += len(ids)
+        out: list[list[float]] = []
+        done = 0  # groups answered
+        self.embeds += 1
+        try:
+            attempt = 0
+            while done < len(groups):
+                if self.daemon.stopping and not self.lifecycle.can_serve:
+                    raise EmbeddingError(f"model {self.name!r}: the daemon is shutting down "
+                                         "and loads no model. Hint: retry when it is back.")
+                failed = await self.load_and_wait()
+                if failed is not None:
+                    raise EmbeddingError(f"model {self.name!r} could not be loaded: {failed}")
+                runner = self.runner
+                if runner is None or runner.gone.is_set():
+                    # the loop notices the loss (UNLOADED), then loads again for us
+                    self.load_requested = True
+                    self.poke()
+                    await self.daemon.wait_settled()
+                    continue
+                self.lifecycle.use(time.monotonic())
+                try:
+                    while done < len(groups):
+                        out.extend(await self._embed_message(runner, groups[done]))
+                        done += 1
+                except RunnerGone as exc:
+                    attempt += 1
+                    if attempt >= EMBED_ATTEMPTS:
+                        raise EmbeddingError(f"model {self.name!r}: the runner died while "
+                                             f"embedding ({exc}). Hint: retry the request; "
+                                             "the daemon's log says why it died.") from exc
+        finally:
+            self.embeds -= 1
+            self.poke()  # idle again: the loop restarts the ttl clock
+        return out
+
+    async def _embed_message(self, runner: RunnerHandle, group: list[list[int]]
+                             ) -> list[list[float]]:
+        import base64
+
+        import numpy as np
+
+        # shielded: a cancelled caller must not leave the runner's reply unread
+        reply = await asyncio.shield(asyncio.ensure_future(
+            runner.call({"op": "embed", "inputs": group})))
+        if reply.get("op") != "embedded":
+            raise EmbeddingError(f"model {self.name!r}: the runner answered {reply.get('op')!r} "
+                                 "to an embedding. Hint: this is a daemon bug; report it.")
+        if "error" in reply:
+            raise EmbeddingError(f"model {self.name!r}: {reply['error']}")
+        vectors = np.frombuffer(base64.b64decode(reply["data"]), dtype="<f4")
+        return vectors.reshape(int(reply["count"]), int(reply["dim"])).astype(float).tolist()
 
     def poke(self) -> None:
         self.wake.set()
@@ -271,6 +396,9 @@ class ModelService:
         if not self.active and not new and not self.to_release:
             if self._inflight is not None:  # take in the last reply (free slots) before idling
                 await self._drain_inflight()
+                return
+            if self.embeds:  # an embedding request uses the runner: in use, not idle
+                await self._wait(self.daemon.wait_timeout(now))
                 return
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
@@ -401,7 +529,8 @@ class ModelService:
                 "--engine", self.engine or rt.engine,
                 "--state-dir", str(self.daemon.state_dir), "--dtype", rt.dtype,
                 "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
-                "--context", str(self.context), "--threads", str(threads)]
+                "--context", str(self.context), "--threads", str(threads),
+                "--pooling", self.entry.pooling]
 
     def _on_runner_event(self, msg: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -419,7 +548,7 @@ class ModelService:
         sched = self.daemon.scheduler
         loaded = [LoadedModel(s.name, s.budget_bytes or 0, s.lifecycle.last_used or 0.0,
                               bool(s.active) or s.lifecycle.state is not ModelState.IDLE
-                              or sched.queued(s.name) > 0)
+                              or sched.queued(s.name) > 0 or s.embeds > 0)
                   for s in self.daemon.services.values()
                   if s is not self and s.lifecycle.resident]
         return plan_load(self.name, self.budget_bytes, self.daemon.memory_limit(), loaded)

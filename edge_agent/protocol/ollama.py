@@ -46,8 +46,11 @@ from edge_agent.protocol.api import (
     parse_generation,
     parse_json_body,
 )
+from edge_agent.protocol.embeddings import EmbeddingsRequest
 
 __all__ = [
+    "OllamaEmbed",
+    "parse_embed",
     "renamed",
     "API_VERSION",
     "FOREVER_EPOCH",
@@ -517,6 +520,52 @@ def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
                            messages=tuple(turns), prompt=None)
     return OllamaRequest(chat=False, model=model, generation=greq, keep_alive=ka,
                          stream=stream)
+
+
+@dataclass(frozen=True)
+class OllamaEmbed:
+    model: str
+    request: EmbeddingsRequest  # what POST /v1/embeddings would have parsed
+    keep_alive: KeepAlive | None
+    legacy: bool  # /api/embeddings: one `prompt`, one `embedding` in the reply
+
+
+_EMBED_FIELDS = ("model", "input", "truncate", "options", "keep_alive", "dimensions")
+_LEGACY_EMBED_FIELDS = ("model", "prompt", "options", "keep_alive")
+
+
+def parse_embed(body: bytes, *, legacy: bool = False) -> OllamaEmbed:
+    """POST /api/embed ({"model", "input": text or [texts], "truncate"?, "dimensions"?}) or the
+    older /api/embeddings ({"model", "prompt"}). `options` is type checked and ignored (no
+    sampling happens); `truncate` (default true, as Ollama) cuts an input to the context."""
+    d = parse_json_body(body)
+    known = _LEGACY_EMBED_FIELDS if legacy else _EMBED_FIELDS
+    for key in d:
+        if key not in known:
+            raise _bad(key, f"unknown parameter for /api/{'embeddings' if legacy else 'embed'}",
+                       f"send {', '.join(known)}", code="unknown_parameter")
+    model = _model(d)
+    ka = d.get("keep_alive")
+    options = d.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("options", f"expected an object, got {_show(options)}",
+                   'use "options": {} or leave it out')
+    key = "prompt" if legacy else "input"
+    v = d.get(key)
+    texts = [v] if isinstance(v, str) else v
+    if not isinstance(texts, list) or not texts or not all(
+            isinstance(t, str) and t for t in texts):
+        raise _bad(key, f"expected a non-empty string or a list of them, got {_show(v)}",
+                   f'use "{key}": "some text"' + ("" if legacy else ' or ["a", "b"]'))
+    dims = d.get("dimensions")
+    if dims is not None and (not _is_int(dims) or dims < 1):
+        raise _bad("dimensions", f"expected a positive integer, got {_show(dims)}",
+                   "leave it out (the model's size)")
+    req = EmbeddingsRequest(inputs=tuple(texts), single=isinstance(v, str), model=model,
+                            encoding_format="float", dimensions=dims,
+                            truncate=True if legacy else _bool(d, "truncate", True))
+    return OllamaEmbed(model=model, request=req,
+                       keep_alive=None if ka is None else parse_keep_alive(ka), legacy=legacy)
 
 
 def parse_show(body: bytes) -> str:

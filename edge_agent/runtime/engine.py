@@ -184,6 +184,11 @@ class Engine:
         tests/test_engine.py's batch tests against the same requests alone)."""
         return True
 
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> Any:
+        """Sentence embeddings are the llamacpp engine's (`LlamaCppEngine.embed`)."""
+        raise EngineError("engine numpy computes no embeddings. Hint: use the llamacpp engine "
+                          "(runtime.engine = \"llamacpp\").")
+
     def describe(self) -> dict[str, Any]:
         c = self.config
         info = None if self.weights is None else self.weights.info  # the prepared file

@@ -27,9 +27,10 @@ from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["ENGINES", "LLAMACPP_RUNNER_BASE_BYTES", "EngineLike", "ModelFacts", "TokenizerLike",
-           "llamacpp_budget_bytes", "load_engine", "model_facts", "open_tokenizer",
-           "resolve_engine"]
+__all__ = ["EMBED_BATCH_TOKENS", "EMBED_LM_HEAD_BYTES", "ENGINES", "LLAMACPP_RUNNER_BASE_BYTES",
+           "POOLINGS", "EngineLike", "ModelFacts", "TokenizerLike", "embed_batch_tokens",
+           "embedding_pooling", "llamacpp_budget_bytes", "llamacpp_embed_bytes", "load_engine",
+           "model_facts", "open_tokenizer", "resolve_engine"]
 
 ENGINES = ("auto", "llamacpp", "numpy")
 
@@ -37,6 +38,19 @@ ENGINES = ("auto", "llamacpp", "numpy")
 # numpy, the llama libraries): measured as runner RSS minus those on SmolLM2 and Gemma 3 at
 # max_batch 4/8/16 and context 512/2048: 25-40 MiB; 48 MiB leaves room for long prefills.
 LLAMACPP_RUNNER_BASE_BYTES = 48 << 20
+
+# Sentence embeddings (`EngineLike.embed`): the pooling a model's config may ask for
+# (`models.NAME.pooling`; "model": the GGUF's own `<arch>.pooling_type`) and llama.cpp's
+# llama_pooling_type values. 0 (none) and 4 (rank, a reranker's head) pool no sentence vector.
+POOLINGS = ("model", "mean", "cls", "last")
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+# Tokens per llama_decode of the embedding context (`embed_batch_tokens`). In embeddings mode
+# llama.cpp computes every token's output, LM head included, so its compute and output buffers
+# grow by ~2 x vocab x 4 bytes per token of a decode (Gemma 3: 2 MiB a token). Larger decodes
+# are faster (SmolLM2, 256 tokens: 8.2 CPU-s at 32 a decode, 3.9 at 128), so a decode takes as
+# many tokens as EMBED_LM_HEAD_BYTES of those buffers allow, within these bounds.
+EMBED_BATCH_TOKENS = (32, 128)
+EMBED_LM_HEAD_BYTES = 64 << 20
 
 
 class TokenizerLike(Protocol):
@@ -87,6 +101,7 @@ class EngineLike(Protocol):
     def lock_report(self) -> dict[str, Any] | None: ...
     def warmup_ids(self) -> list[int]: ...
     def batch_invariance(self, prompt_ids: Sequence[int]) -> bool: ...
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> Any: ...
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
     def stream_text(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                     on_token: Callable[[int], None] | None = None) -> Iterator[str]: ...
@@ -108,14 +123,16 @@ def resolve_engine(name: str) -> str:
 def load_engine(engine: str, model_path: Path, *, state_dir: Path, dtype: str = "f32",
                 mlock: str = "best-effort", max_batch: int = 8, context: int = 2048,
                 threads: int | None = None,
-                progress: Callable[[int, int], None] | None = None) -> EngineLike:
-    """Load `model_path` on `engine` (a resolved name), pinned by the `mlock` policy."""
+                progress: Callable[[int, int], None] | None = None,
+                pooling: str = "model") -> EngineLike:
+    """Load `model_path` on `engine` (a resolved name), pinned by the `mlock` policy;
+    `pooling` (POOLINGS) is how the llamacpp engine's `embed` pools (numpy embeds nothing)."""
     name = resolve_engine(engine)
     if name == "llamacpp":
         from edge_agent.runtime.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine.load(model_path, mlock=mlock, max_batch=max_batch,
-                                   context=context, threads=threads)
+                                   context=context, threads=threads, pooling=pooling)
     from edge_agent.runtime.engine import DEFAULT_THREADS, Engine
 
     return Engine.load(model_path, state_dir=state_dir, dtype=dtype, mlock=mlock,
@@ -151,6 +168,8 @@ class ModelFacts:
     sliding_window: int  # 0: every layer attends to the whole context
     swa_layers: int  # layers that attend only to the last `sliding_window` tokens
     vocab_size: int
+    embedding_length: int = 0  # the model's hidden size: the length of its sentence vectors
+    pooling_type: int = -1  # `<arch>.pooling_type` (llama_pooling_type); -1: not stated
 
     def kv_bytes(self, tokens: int, *, sequences: int = 1, elem_bytes: int = 2) -> int:
         """K and V cache bytes for `sequences` of `tokens` each (f16 cells by default); a
@@ -200,17 +219,45 @@ def model_facts(model_path: Path, metadata: dict[str, Any] | None = None) -> Mod
         context_length=get("context_length", 0),
         tensor_bytes=tensor_bytes,
         sliding_window=window, swa_layers=swa_layers,
-        vocab_size=len(meta.get("tokenizer.ggml.tokens", ())))
+        vocab_size=len(meta.get("tokenizer.ggml.tokens", ())),
+        embedding_length=dim, pooling_type=get("pooling_type", -1))
+
+
+def embedding_pooling(pooling_type: int, override: str = "model") -> str | None:
+    """The pooling sentence embeddings use: `override` (POOLINGS) unless it is "model", else
+    the model's own `pooling_type` (mean, cls or last); None when the model pools nothing."""
+    if override != "model":
+        if override not in POOLINGS:
+            raise ConfigError(f"pooling {override!r} is not one of {', '.join(POOLINGS)}. "
+                              "Hint: fix models.NAME.pooling.")
+        return override
+    return _POOLING_TYPES.get(pooling_type)
 
 
 def llamacpp_budget_bytes(facts: ModelFacts, max_batch: int, context: int, *,
-                          overhead_bytes: int = 0) -> int:
+                          overhead_bytes: int = 0, embeddings: bool = False) -> int:
     """Bytes a llama.cpp runner holds resident: the weights as stored, the KV cache (f16
     cells, `max_batch` sequences of `context` tokens, sliding-window layers their window),
-    the compute buffer a decode of up to BATCH_TOKENS touches, and `overhead_bytes` for the
-    process itself."""
+    the compute buffer a decode of up to BATCH_TOKENS touches, `overhead_bytes` for the
+    process itself, and with `embeddings` (the model can embed: it pools) the embedding
+    context its first embedding request creates (`llamacpp_embed_bytes`)."""
     kv = facts.kv_bytes(context, sequences=max_batch)
     # measured on SmolLM2-135M (49,152 tokens) and Gemma 3 270M (262,144) at max_batch 2 and 8:
     # the compute buffer, logits and outputs grow with the vocabulary and the batch
     compute = (32 << 20) + (2 << 20) * max_batch + 256 * facts.vocab_size
-    return facts.tensor_bytes + kv + compute + overhead_bytes
+    embed = llamacpp_embed_bytes(facts, context) if embeddings else 0
+    return facts.tensor_bytes + kv + compute + embed + overhead_bytes
+
+
+def embed_batch_tokens(vocab_size: int) -> int:
+    """Tokens per decode of a llama.cpp embedding context (see EMBED_LM_HEAD_BYTES)."""
+    lo, hi = EMBED_BATCH_TOKENS
+    return max(lo, min(hi, EMBED_LM_HEAD_BYTES // max(1, 8 * vocab_size)))
+
+
+def llamacpp_embed_bytes(facts: ModelFacts, context: int) -> int:
+    """The embedding context of a llama.cpp runner: its own KV cache (one sequence of
+    `context` tokens) and compute and output buffers for `embed_batch_tokens` tokens, every
+    one with its LM-head row (measured on Gemma 3 270M: 78 MiB at context 512)."""
+    return (facts.kv_bytes(context) + 8 * embed_batch_tokens(facts.vocab_size)
+            * facts.vocab_size + (8 << 20))

@@ -22,6 +22,13 @@ Invariants owned here:
   cache, compute buffers) exists; the report reads VmLck back (>= the weights' bytes).
 - The llama.cpp library is initialised once per process; its log goes to Python `logging`
   (logger `edge_agent.llama`), warnings and errors only.
+- `embed` never touches the generation context: sentence vectors come from a second llama
+  context (embeddings on, one sequence of `context` tokens, `embed_batch_tokens` per decode),
+  created at the first `embed` and emptied after each input. It takes every token's final
+  normed hidden state (llama.cpp's pooling "none") and pools them here as llama.cpp's
+  mean/cls/last pooling does, because llama.cpp pools only within one decode: its own pooling
+  would need the whole input in one decode, whose LM-head outputs cost vocab x 8 bytes a token.
+  Vectors are L2-normalized (llama-server's /v1/embeddings default).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import numpy as np
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.runtime import memlock
 from edge_agent.runtime.constrain import Constraints
+from edge_agent.runtime.engines import embed_batch_tokens, embedding_pooling
 from edge_agent.runtime.llama_vocab import (
     LlamaVocab,
     check_gguf,
@@ -119,7 +127,8 @@ class LlamaCppEngine:
     name = "llamacpp"
 
     def __init__(self, path: Path, *, max_batch: int = 8, context: int = 2048,
-                 threads: int | None = None, mlock: str = "best-effort") -> None:
+                 threads: int | None = None, mlock: str = "best-effort",
+                 pooling: str = "model") -> None:
         if max_batch < 1 or context < 2:
             raise LlamaCppError(f"llama.cpp engine: max_batch {max_batch} and context {context} "
                                 "must be >= 1 and >= 2. Hint: fix the model's settings.")
@@ -187,15 +196,26 @@ class LlamaCppEngine:
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
         self.mlock_policy = mlock
         self.lock: dict[str, Any] | None = None
+        meta = model_meta(model)
+        arch = meta.get("general.architecture", "")
+        declared = meta.get(f"{arch}.pooling_type", "-1")
+        self._declared_pooling = int(declared) if declared.lstrip("-").isdigit() else -1
+        self.pooling = embedding_pooling(self._declared_pooling, pooling)  # None: no embed
+        self._causal = meta.get(f"{arch}.attention.causal", "true") != "false"
+        self.n_embd = int(lib.llama_model_n_embd(model))
+        self._embed_ctx: Any = None
+        self._embed_batch: Any = None
+        self.embed_batch = embed_batch_tokens(self.n_vocab)  # tokens per embedding decode
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], *, mlock: str = "best-effort",
              max_batch: int = 8, context: int = 2048, threads: int | None = None,
-             **_ignored: Any) -> LlamaCppEngine:
+             pooling: str = "model", **_ignored: Any) -> LlamaCppEngine:
         """Load `model_path` and pin the runner's memory by the `mlock` policy."""
         path = Path(model_path)
-        engine = cls(path, max_batch=max_batch, context=context, threads=threads, mlock=mlock)
+        engine = cls(path, max_batch=max_batch, context=context, threads=threads, mlock=mlock,
+                     pooling=pooling)
         try:
             engine.pin()
         except BaseException:
@@ -252,6 +272,12 @@ class LlamaCppEngine:
         if getattr(self, "_ctx", None):
             lib.llama_free(self._ctx)
             self._ctx = None
+        if getattr(self, "_embed_batch", None) is not None:
+            lib.llama_batch_free(self._embed_batch)
+            self._embed_batch = None
+        if getattr(self, "_embed_ctx", None):
+            lib.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if getattr(self, "_model", None):
             lib.llama_model_free(self._model)
             self._model = None
@@ -295,7 +321,8 @@ class LlamaCppEngine:
                 "architecture": arch, "parameters": int(lib.llama_model_n_params(model)),
                 "weight_bytes": int(lib.llama_model_size(model)),
                 "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
-                "vocab_type": self.tokenizer.vocab_type, "vocab_size": self.n_vocab}
+                "vocab_type": self.tokenizer.vocab_type, "vocab_size": self.n_vocab,
+                "pooling": self.pooling, "embedding_length": self.n_embd}
 
     # -- step API -------------------------------------------------------------------------------
     def _get(self, seq_id: str) -> _Seq:
@@ -469,6 +496,110 @@ class LlamaCppEngine:
                 for s in seqs:
                     self.release(s.seq_id)
         return all(np.array_equal(rows[0], r) for r in rows[1:])
+
+    # -- sentence embeddings --------------------------------------------------------------------
+    def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """One L2-normalized sentence vector per token list, (N, n_embd) float32, pooled by
+        `self.pooling` (mean, cls or last) over the input's final normed hidden states, in
+        the embedding context (the generation context's sequences are untouched)."""
+        if self.pooling is None:
+            raise LlamaCppError(
+                f"{self.path}: the model declares no pooling type, so it has no sentence "
+                "embedding. Hint: use an embedding model, or set the model's pooling "
+                "(mean, cls or last) in its configuration.")
+        lists = [[int(i) for i in ids] for ids in token_lists]
+        for k, ids in enumerate(lists):
+            if not ids:
+                raise LlamaCppError(f"engine: embedding input {k} has no tokens. Hint: pass "
+                                    "at least one token id.")
+            if len(ids) > self.context:
+                raise LlamaCppError(
+                    f"engine: embedding input {k} has {len(ids)} tokens; the context is "
+                    f"{self.context}. Hint: shorten the input or load a larger context.")
+            bad = [i for i in ids if not 0 <= i < self.n_vocab]
+            if bad:
+                raise LlamaCppError(
+                    f"engine: embedding input {k} holds token id {bad[0]} outside the "
+                    f"vocabulary 0..{self.n_vocab - 1}. Hint: encode text with this model's "
+                    "tokenizer.")
+        ctx = self._embedding_context()
+        mem = self._lib.llama_get_memory(ctx)
+        out = np.zeros((len(lists), self.n_embd), np.float32)
+        try:
+            for k, ids in enumerate(lists):
+                total = np.zeros(self.n_embd, np.float64)
+                for start in range(0, len(ids), self.embed_batch):
+                    chunk = ids[start:start + self.embed_batch]
+                    rows = self._embed_decode(ctx, chunk, start)  # (T, n_embd)
+                    if self.pooling == "mean":
+                        total += rows.sum(axis=0, dtype=np.float64)
+                    elif self.pooling == "cls" and start == 0:
+                        total = rows[0].astype(np.float64)
+                    elif self.pooling == "last" and start + len(chunk) == len(ids):
+                        total = rows[-1].astype(np.float64)
+                self._lib.llama_memory_clear(mem, True)
+                vec = total / len(ids) if self.pooling == "mean" else total
+                norm = float(np.sqrt(np.dot(vec, vec)))
+                out[k] = vec / norm if norm > 0.0 else vec
+        finally:
+            self._lib.llama_memory_clear(mem, True)
+        return out
+
+    def _embedding_context(self) -> Any:
+        """The embedding context, created at the first call (llamacpp_embed_bytes says what
+        it holds)."""
+        if self._embed_ctx:
+            return self._embed_ctx
+        if not self._causal:
+            raise LlamaCppError(
+                f"{self.path}: the model attends both ways (non-causal), so its inputs cannot "
+                f"be embedded {self.embed_batch} tokens at a decode. Hint: use llama-server "
+                "for encoder-only embedding models.")
+        lib = self._lib
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.context
+        cparams.n_batch = self.embed_batch
+        cparams.n_ubatch = self.embed_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.embeddings = True
+        # LLAMA_POOLING_TYPE_NONE: every token's state, pooled here (-1, the model's own, when
+        # that is none already: llama.cpp warns when a context overrides the model's pooling)
+        cparams.pooling_type = 0 if self._declared_pooling > 0 else -1
+        # f32 attention: flash attention rounds the queries to f16 (vectors moved by ~2e-3);
+        # its memory saving is small at embed_batch queries
+        cparams.flash_attn_type = 0
+        cparams.swa_full = False
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise LlamaCppError(
+                f"{self.path}: llama.cpp could not create the embedding context of "
+                f"{self.context} tokens ({recent_errors() or 'out of memory?'}). Hint: lower "
+                "the model's context.")
+        self._embed_ctx = ctx
+        self._embed_batch = lib.llama_batch_init(self.embed_batch, 0, 1)
+        return ctx
+
+    def _embed_decode(self, ctx: Any, tokens: list[int], pos0: int) -> np.ndarray:
+        """Decode `tokens` at positions pos0.. of the embedding context's one sequence; their
+        final normed hidden states, (T, n_embd) float32 (a view: use before the next call)."""
+        b = self._embed_batch
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1  # embeddings mode outputs every token
+        b.n_tokens = len(tokens)
+        rc = self._lib.llama_decode(ctx, b)
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode of {len(tokens)} token(s) for an embedding "
+                                f"returned {rc} ({recent_errors() or 'see the log above'}). "
+                                "Hint: retry the request.")
+        ptr = self._lib.llama_get_embeddings(ctx)
+        return np.ctypeslib.as_array(ptr, shape=(len(tokens), self.n_embd))
 
     # -- llama.cpp calls ------------------------------------------------------------------------
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
