@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from edge_agent.daemon.ipc import Ready
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.journal import (
     JournalConflictError,
@@ -489,12 +490,12 @@ class DaemonJournal:
             log.warning(f"journal: tokenizer cache of model {name} unusable: {exc}")
             return None
 
-    def model_loaded(self, name: str, path: Path, ready: dict[str, Any], tokenizer: Any) -> None:
+    def model_loaded(self, name: str, path: Path, ready: Ready, tokenizer: Any) -> None:
         """Registry facts after a load; the tokenizer cached under the source's sha256, which
         the numpy engine's runner read from the prepared file's header (no re-hash). The
         llama.cpp engine reads the GGUF itself (no prepared file, no sha256): nothing to cache,
         its vocabulary loads from the GGUF in milliseconds."""
-        engine = ready.get("engine") or {}
+        engine = ready.engine
         sha = engine.get("source_sha256")
         if self.store is None or not sha:
             return
@@ -503,7 +504,7 @@ class DaemonJournal:
             self.store.record_model(
                 name, path=str(path), sha256=str(sha), size=st.st_size,
                 mtime_ns=st.st_mtime_ns, prepared_path=engine.get("prepared"),
-                last_load_at=time.time(), last_load_s=ready.get("load_s"))
+                last_load_at=time.time(), last_load_s=ready.load_s)
             if tokenizer is not None and self.store.get_tokenizer(
                     str(sha), tokenizer.fingerprint) is None:
                 cache_tokenizer(self.store, str(sha), tokenizer)

@@ -1,4 +1,7 @@
-"""Framing between the control plane and a runner: 4-byte big-endian length + UTF-8 JSON object.
+"""The control plane <-> runner protocol: typed messages over 4-byte big-endian length + UTF-8 JSON.
+
+Every message is a frozen dataclass below; `encode` and `decode` are the only places that know
+their wire form (a JSON object whose "op" names the type), so neither side probes dicts.
 
 Invariants owned here:
 - One frame is one JSON object of plain data (no pickle: a runner can never make the control
@@ -6,19 +9,29 @@ Invariants owned here:
   error, not an allocation.
 - EOF before a complete frame means the peer is gone: `RunnerGone` (async side) / `EOFError`
   (blocking side), never a partial object.
+- `decode` accepts exactly the fields of the named message (extra, missing or mistyped ones are
+  a ValueError naming the op and the field); `decode(encode(m)) == m` for every message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import json
 import socket
 import struct
-from typing import Any
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 from edge_agent.errors import EdgeAgentError
 
-__all__ = ["MAX_FRAME", "RunnerGone", "encode_frame", "read_frame", "recv_frame", "send_frame"]
+__all__ = ["MAX_FRAME", "RunnerGone", "encode_frame", "read_frame", "recv_frame", "send_frame",
+           "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown",
+           "Status", "Progress", "Failed", "Ready", "StepResult", "Embedded", "Pong",
+           "ErrorReply", "TokenLogprob"]
 
 MAX_FRAME = 64 << 20
 _LEN = struct.Struct(">I")
@@ -72,3 +85,210 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
 
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(encode_frame(obj))
+
+
+# ----- messages ----------------------------------------------------------------------------------
+# (logprob of the chosen token, ((id, logprob), ...) the most likely ones)
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
+# control plane -> runner
+@dataclass(frozen=True)
+class AddSeq:
+    """A new sequence: `prompt` ids (plus `generated` ones of a resumed request) are prefilled;
+    `params` are the request's SamplingParams fields (and "grammar") as journaled."""
+
+    id: str
+    prompt: tuple[int, ...]
+    params: dict[str, Any]
+    generated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    """Release, then add (prefill: each returns its first token), then one decode step."""
+
+    release: tuple[str, ...] = ()
+    add: tuple[AddSeq, ...] = ()
+    step: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids, one list per vector
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# runner -> control plane
+@dataclass(frozen=True)
+class Status:
+    state: str  # "loading", "warming"
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    load_s: float
+    warm_s: float
+    lock: dict[str, Any] | None  # the engine's lock_report()
+    stop_ids: tuple[int, ...]
+    context: int
+    free_blocks: int | None
+    engine: dict[str, Any]  # the engine's describe()
+    batch_invariant: bool | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: dict[str, int]
+    errors: dict[str, str]
+    free_blocks: int | None
+    step_s: float
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # those that asked
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """`vectors` float32 little-endian, row after row (count x dim); or the engine's `error`."""
+
+    count: int = 0
+    dim: int = 0
+    vectors: bytes = b""
+    embed_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Pong:
+    free_blocks: int | None
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    error: str
+
+
+Message = (AddSeq | Step | Embed | Ping | Shutdown | Status | Progress | Failed | Ready
+           | StepResult | Embedded | Pong | ErrorReply)
+_OPS: dict[str, type[Any]] = {
+    "step": Step, "embed": Embed, "ping": Ping, "shutdown": Shutdown, "status": Status,
+    "progress": Progress, "failed": Failed, "ready": Ready, "result": StepResult,
+    "embedded": Embedded, "pong": Pong, "error": ErrorReply,
+}
+_NAMES = {cls: op for op, cls in _OPS.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def encode(msg: Message) -> dict[str, Any]:
+    """The wire form of `msg`: a JSON-ready dict with "op"."""
+    out: dict[str, Any] = {"op": _NAMES[type(msg)]}
+    out.update(_plain(msg))
+    return out
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """`value` (decoded JSON) as the type `hint`, or ValueError naming `where`."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin is Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _typed(value, arg, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: {value!r} is not {hint}")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{where}: expected {len(args)} items, got {len(value)}")
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_typed(v, a, f"{where}[{i}]") for i, (v, a) in pairs)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+        return {str(k): _typed(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+        return _build(hint, value, where)
+    if hint is bytes:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected base64 text, got {type(value).__name__}")
+        return base64.b64decode(value, validate=True)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is int or hint is bool or hint is str:
+        if type(value) is not hint:
+            raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
+        return value
+    raise ValueError(f"{where}: no decoder for {hint}")  # pragma: no cover - a new field type
+
+
+def _build(cls: type[Any], d: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - names)
+    if extra:
+        raise ValueError(f"{where}: unknown field {extra[0]!r}")
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            kw[f.name] = _typed(d[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{where}: field {f.name!r} is missing")
+    return cls(**kw)
+
+
+def decode(obj: dict[str, Any]) -> Message:
+    """The message `obj` (a decoded frame) holds; ValueError naming what is wrong."""
+    op = obj.get("op")
+    if not isinstance(op, str) or op not in _OPS:
+        raise ValueError(f"runner protocol: unknown op {op!r}")
+    cls = _OPS[op]
+    fields_ = {k: v for k, v in obj.items() if k != "op"}
+    msg: Message = _build(cls, fields_, op)
+    return msg

@@ -18,7 +18,7 @@ Invariants owned here:
   the engine's embedding context, between two steps, and changes no sequence.
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
-- Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
+- Load failures are reported as `Failed` (ipc.py) and the process exits 1; the
   control plane also notices a silent death by EOF on the socketpair.
 - EOF from the control plane (it exited) ends the runner: no orphan keeps weights pinned.
 """
@@ -26,7 +26,6 @@ Invariants owned here:
 from __future__ import annotations
 
 import argparse
-import base64
 import logging
 import os
 import signal
@@ -36,7 +35,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_agent.daemon.ipc import recv_frame, send_frame
+from edge_agent.daemon.ipc import (
+    AddSeq,
+    Embed,
+    Embedded,
+    ErrorReply,
+    Failed,
+    Message,
+    Ping,
+    Pong,
+    Progress,
+    Ready,
+    Shutdown,
+    Status,
+    Step,
+    StepResult,
+    TokenLogprob,
+    decode,
+    encode,
+    recv_frame,
+    send_frame,
+)
 from edge_agent.errors import EdgeAgentError
 from edge_agent.logs import configure
 from edge_agent.runtime.engines import EngineLike, load_engine
@@ -77,40 +96,43 @@ def _params(d: dict[str, Any]) -> Any:
     return SamplingParams(**kw)
 
 
-def _logprobs(engine: EngineLike, into: dict[str, Any]) -> None:
+def _logprobs(engine: EngineLike, into: dict[str, TokenLogprob]) -> None:
     for sid, lp in engine.last_logprobs.items():
-        into[sid] = [lp.logprob, [[i, v] for i, v in lp.top]]
+        into[sid] = (lp.logprob, tuple((int(i), float(v)) for i, v in lp.top))
 
 
-def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
+def _start(engine: EngineLike, add: AddSeq) -> Any:
+    from edge_agent.runtime.engine import NewSeq
+
+    seq = NewSeq(add.id, list(add.prompt), _params(add.params), list(add.generated))
+    grammar = add.params.get("grammar")
+    if grammar is not None:  # constrained decoding: masks from the first token on
+        engine.constraints.start(seq.seq_id, grammar, seq.generated)
+    return seq
+
+
+def _step(engine: EngineLike, msg: Step) -> StepResult:
     t0 = time.perf_counter()
-    for sid in msg.get("release", ()):
+    for sid in msg.release:
         try:
             engine.release(sid)
         except (KeyError, EdgeAgentError):
             pass
-    from edge_agent.runtime.engine import NewSeq
-
     new = []
     errors: dict[str, str] = {}
-    for add in msg.get("add", ()):
+    for add in msg.add:
         try:
-            seq = NewSeq(add["id"], list(add["prompt"]), _params(add["params"]),
-                         list(add.get("generated", ())))
-            grammar = add["params"].get("grammar")
-            if grammar is not None:  # constrained decoding: masks from the first token on
-                engine.constraints.start(seq.seq_id, grammar, seq.generated)
-            new.append(seq)
+            new.append(_start(engine, add))
         except (TypeError, ValueError, EdgeAgentError) as exc:
-            errors[add["id"]] = str(exc)
+            errors[add.id] = str(exc)
     added, failed = engine.add_many(new)  # similar-length prompts share one forward
-    logprobs: dict[str, Any] = {}
+    logprobs: dict[str, TokenLogprob] = {}
     _logprobs(engine, logprobs)
     tokens = {sid: int(tok) for sid, tok in added.items()}
     errors.update((sid, str(exc)) for sid, exc in failed.items())
     for sid in failed:
         engine.constraints.release(sid)  # drops a grammar started for it
-    step_ids = [s for s in msg.get("step", ()) if s not in errors]
+    step_ids = [s for s in msg.step if s not in errors]
     if step_ids:
         try:
             for sid, tok in engine.step(step_ids).items():
@@ -119,23 +141,36 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
         except EdgeAgentError as exc:
             for sid in step_ids:
                 errors[sid] = str(exc)
-    reply = {"op": "result", "tokens": tokens, "errors": errors,
-             "free_blocks": engine.free_blocks, "step_s": time.perf_counter() - t0}
-    if logprobs:
-        reply["logprobs"] = logprobs
-    return reply
+    return StepResult(tokens=tokens, errors=errors, free_blocks=engine.free_blocks,
+                      step_s=time.perf_counter() - t0, logprobs=logprobs)
 
 
-def _embed(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
+def _embed(engine: EngineLike, msg: Embed) -> Embedded:
     t0 = time.perf_counter()
     try:
-        vectors = engine.embed([[int(i) for i in ids] for ids in msg.get("inputs", ())])
+        vectors = engine.embed([list(ids) for ids in msg.inputs])
     except (TypeError, ValueError, EdgeAgentError) as exc:
-        return {"op": "embedded", "error": str(exc)}
-    data = vectors.astype("<f4", copy=False).tobytes()
-    return {"op": "embedded", "count": int(vectors.shape[0]), "dim": int(vectors.shape[1]),
-            "data": base64.b64encode(data).decode("ascii"),
-            "embed_s": time.perf_counter() - t0}
+        return Embedded(error=str(exc))
+    return Embedded(count=int(vectors.shape[0]), dim=int(vectors.shape[1]),
+                    vectors=vectors.astype("<f4", copy=False).tobytes(),
+                    embed_s=time.perf_counter() - t0)
+
+
+def _send(sock: socket.socket, msg: Message) -> None:
+    send_frame(sock, encode(msg))
+
+
+def _answer(engine: EngineLike, msg: Message) -> Message | None:
+    """The reply to one request (None: stop serving)."""
+    if isinstance(msg, Step):
+        return _step(engine, msg)
+    if isinstance(msg, Embed):
+        return _embed(engine, msg)
+    if isinstance(msg, Ping):
+        return Pong(free_blocks=engine.free_blocks)
+    if isinstance(msg, Shutdown):
+        return None
+    return ErrorReply(error=f"runner protocol: {type(msg).__name__} is not a request")
 
 
 def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
@@ -146,20 +181,19 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         now = time.monotonic()
         if now - last[0] >= 0.5 or done >= total:
             last[0] = now
-            send_frame(sock, {"op": "progress", "stage": "prepare", "done": done,
-                              "total": total})
+            _send(sock, Progress(stage="prepare", done=done, total=total))
 
-    send_frame(sock, {"op": "status", "state": "loading", "pid": os.getpid()})
+    _send(sock, Status(state="loading", pid=os.getpid()))
     try:
         engine = load_engine(args.engine, Path(args.model), state_dir=Path(args.state_dir),
                              dtype=args.dtype, mlock=args.mlock, max_batch=args.max_batch,
                              context=args.context, threads=args.threads or None,
                              progress=progress, pooling=args.pooling)
     except EdgeAgentError as exc:
-        send_frame(sock, {"op": "failed", "error": str(exc)})
+        _send(sock, Failed(error=str(exc)))
         return 1
     load_s = time.monotonic() - t0
-    send_frame(sock, {"op": "status", "state": "warming"})
+    _send(sock, Status(state="warming"))
     t1 = time.monotonic()
     try:
         engine.add(WARMUP_ID, engine.warmup_ids(), _params({"max_tokens": 2}))
@@ -167,29 +201,27 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine.release(WARMUP_ID)
         invariant = engine.batch_invariance(engine.warmup_ids())
     except EdgeAgentError as exc:
-        send_frame(sock, {"op": "failed", "error": f"warm-up forward failed: {exc}"})
+        _send(sock, Failed(error=f"warm-up forward failed: {exc}"))
         return 1
-    send_frame(sock, {"op": "ready", "pid": os.getpid(), "load_s": load_s,
-                      "warm_s": time.monotonic() - t1, "lock": engine.lock_report(),
-                      "stop_ids": sorted(int(i) for i in engine.stop_ids),
-                      "context": engine.context, "free_blocks": engine.free_blocks,
-                      "engine": engine.describe(), "batch_invariant": invariant})
+    _send(sock, Ready(pid=os.getpid(), load_s=load_s, warm_s=time.monotonic() - t1,
+                      lock=engine.lock_report(),
+                      stop_ids=tuple(sorted(int(i) for i in engine.stop_ids)),
+                      context=engine.context, free_blocks=engine.free_blocks,
+                      engine=engine.describe(), batch_invariant=invariant))
     while True:
         try:
-            msg = recv_frame(sock)
+            frame = recv_frame(sock)
         except (EOFError, ConnectionError):
             return 0
-        op = msg.get("op")
-        if op == "step":
-            send_frame(sock, _step(engine, msg))
-        elif op == "embed":
-            send_frame(sock, _embed(engine, msg))
-        elif op == "ping":
-            send_frame(sock, {"op": "pong", "free_blocks": engine.free_blocks})
-        elif op == "shutdown":
+        try:
+            msg = decode(frame)
+        except ValueError as exc:
+            _send(sock, ErrorReply(error=str(exc)))
+            continue
+        reply = _answer(engine, msg)
+        if reply is None:
             return 0
-        else:
-            send_frame(sock, {"op": "error", "error": f"unknown op {op!r}"})
+        _send(sock, reply)
 
 
 def main(argv: list[str] | None = None) -> int:

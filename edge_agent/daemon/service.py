@@ -43,7 +43,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.daemon.ipc import RunnerGone
+from edge_agent.daemon.ipc import (
+    AddSeq,
+    Embed,
+    Embedded,
+    Message,
+    Progress,
+    RunnerGone,
+    Status,
+    Step,
+    StepResult,
+)
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
 from edge_agent.errors import EdgeAgentError
@@ -115,7 +125,7 @@ class ModelService:
         self.loaded = asyncio.Event()  # set while SERVING/IDLE
         self.task: asyncio.Task[None] | None = None
         # the step sent to the runner whose reply is not taken in yet (one step of lookahead)
-        self._inflight: asyncio.Future[dict[str, Any]] | None = None
+        self._inflight: asyncio.Future[Message] | None = None
         self._inflight_size = 0
         self._pending_ids: set[str] = set()  # sequences with a token in that reply
         self._load_progress: tuple[int, int] | None = None
@@ -276,20 +286,20 @@ class ModelService:
 
     async def _embed_message(self, runner: RunnerHandle, group: list[list[int]]
                              ) -> list[list[float]]:
-        import base64
-
         import numpy as np
 
         # shielded: a cancelled caller must not leave the runner's reply unread
         reply = await asyncio.shield(asyncio.ensure_future(
-            runner.call({"op": "embed", "inputs": group})))
-        if reply.get("op") != "embedded":
-            raise EmbeddingError(f"model {self.name!r}: the runner answered {reply.get('op')!r} "
-                                 "to an embedding. Hint: this is a daemon bug; report it.")
-        if "error" in reply:
-            raise EmbeddingError(f"model {self.name!r}: {reply['error']}")
-        vectors = np.frombuffer(base64.b64decode(reply["data"]), dtype="<f4")
-        return vectors.reshape(int(reply["count"]), int(reply["dim"])).astype(float).tolist()
+            runner.call(Embed(inputs=tuple(tuple(ids) for ids in group)))))
+        if not isinstance(reply, Embedded):
+            raise EmbeddingError(f"model {self.name!r}: the runner answered "
+                                 f"{type(reply).__name__} to an embedding. Hint: this is a "
+                                 "daemon bug; report it.")
+        if reply.error is not None:
+            raise EmbeddingError(f"model {self.name!r}: {reply.error}")
+        vectors = np.frombuffer(reply.vectors, dtype="<f4")
+        rows: list[list[float]] = vectors.reshape(reply.count, reply.dim).astype(float).tolist()
+        return rows
 
     def poke(self) -> None:
         self.wake.set()
@@ -434,13 +444,13 @@ class ModelService:
             rec = self.daemon.records[job.id]
             rec.restart()
             self.active[job.id] = rec
-            adds.append({"id": job.id, "prompt": list(job.prompt_ids), "params": job.params,
-                         "generated": list(rec.tokens)})  # resume by prefill
-        self.daemon.journal.started([a["id"] for a in adds])
-        added = {a["id"] for a in adds}
+            adds.append(AddSeq(id=job.id, prompt=tuple(job.prompt_ids), params=job.params,
+                               generated=tuple(rec.tokens)))  # resume by prefill
+        self.daemon.journal.started([a.id for a in adds])
+        added = {a.id for a in adds}
         step_ids = [jid for jid, rec in self.active.items()
                     if jid not in added and self._may_step(jid, rec)]
-        msg = {"op": "step", "release": self.to_release, "add": adds, "step": step_ids}
+        msg = Step(release=tuple(self.to_release), add=tuple(adds), step=tuple(step_ids))
         self.to_release = []
         prev, prev_size = self._inflight, self._inflight_size
         self._inflight = asyncio.ensure_future(self.runner.call(msg))
@@ -464,18 +474,22 @@ class ModelService:
             return True
         return len(rec.tokens) + 1 < rec.max_new
 
-    def _take_reply(self, reply: dict[str, Any], size: int) -> None:
+    def _take_reply(self, reply: Message, size: int) -> None:
         now = time.monotonic()
-        self.free_blocks = reply.get("free_blocks")
-        self.daemon.metrics.observe_step(self.name, size, len(reply.get("tokens", {})),
-                                         reply.get("step_s", 0.0))
-        for jid, message in reply.get("errors", {}).items():
+        if not isinstance(reply, StepResult):  # an ErrorReply: the step was not understood
+            log.error("model %r: the runner answered %s to a step; the step's requests fail",
+                      self.name, reply)
+            reply = StepResult(tokens={}, errors={jid: f"runner: {reply}" for jid in
+                                                  self.active}, free_blocks=None, step_s=0.0)
+        self.free_blocks = reply.free_blocks
+        self.daemon.metrics.observe_step(self.name, size, len(reply.tokens), reply.step_s)
+        for jid, message in reply.errors.items():
             rec = self.active.pop(jid, None)
             self.to_release.append(jid)
             if rec is not None:
                 self.daemon.fail_record(rec, now, 500, "runner_error", message)
-        logprobs = reply.get("logprobs", {})
-        for jid, token in reply.get("tokens", {}).items():
+        logprobs = reply.logprobs
+        for jid, token in reply.tokens.items():
             rec = self.active.get(jid)
             if rec is None:
                 continue  # finished, cancelled or failed before this reply: already released
@@ -532,13 +546,13 @@ class ModelService:
                 "--context", str(self.context), "--threads", str(threads),
                 "--pooling", self.entry.pooling]
 
-    def _on_runner_event(self, msg: dict[str, Any]) -> None:
+    def _on_runner_event(self, msg: Progress | Status) -> None:
         now = time.monotonic()
-        if msg.get("op") == "progress":
-            self._load_progress = (int(msg.get("done", 0)), int(msg.get("total", 0)))
+        if isinstance(msg, Progress):
+            self._load_progress = (msg.done, msg.total)
             self.daemon.notifier_extend(f"model {self.name}: preparing weights "
                                         f"{self._load_progress[0]}/{self._load_progress[1]}")
-        elif msg.get("state") == "warming" and self.lifecycle.state is ModelState.LOADING:
+        elif msg.state == "warming" and self.lifecycle.state is ModelState.LOADING:
             self.lifecycle.start_warmup(now)
             self.daemon.notifier_extend(f"model {self.name}: warming up")
 
@@ -630,13 +644,13 @@ class ModelService:
         now = time.monotonic()
         if self.lifecycle.state is ModelState.LOADING:
             self.lifecycle.start_warmup(now)
-        self.lock = ready.get("lock")
-        self.engine_info = ready.get("engine")
-        self.batch_invariant = ready.get("batch_invariant")
-        self.free_blocks = self.total_blocks = ready.get("free_blocks")
-        self.context = int(ready.get("context", self.context))
-        if ready.get("stop_ids"):
-            self.stop_ids = frozenset(int(i) for i in ready["stop_ids"])
+        self.lock = ready.lock
+        self.engine_info = ready.engine
+        self.batch_invariant = ready.batch_invariant
+        self.free_blocks = self.total_blocks = ready.free_blocks
+        self.context = ready.context
+        if ready.stop_ids:
+            self.stop_ids = frozenset(ready.stop_ids)
         self.lifecycle.ready(now, busy=sched.queued(self.name) > 0)
         self.daemon.journal.model_loaded(self.name, self.path(), ready, self.tokenizer)
         self.daemon.metrics.model_event(self.name, "load")

@@ -20,9 +20,19 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from edge_agent.daemon.ipc import RunnerGone, encode_frame, read_frame
+from edge_agent.daemon.ipc import (
+    Failed,
+    Message,
+    Progress,
+    Ready,
+    RunnerGone,
+    Status,
+    decode,
+    encode,
+    encode_frame,
+    read_frame,
+)
 from edge_agent.errors import EdgeAgentError
 
 __all__ = ["RunnerHandle", "RunnerLoadError", "RunnerGone", "RUNNER_ENV_DROP"]
@@ -41,9 +51,13 @@ class RunnerLoadError(EdgeAgentError):
     """The runner could not load or warm up its model (reason from the runner, or its exit)."""
 
 
+class _Gone:
+    """Queued after the runner's socket closed: every waiting and later `call` sees it."""
+
+
 class RunnerHandle:
     def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 on_event: Callable[[Progress | Status], None] | None = None,
                  on_gone: Callable[[], None] | None = None,
                  on_spawn: Callable[[int], None] | None = None) -> None:
         self.name = name
@@ -54,8 +68,8 @@ class RunnerHandle:
         self.on_gone = on_gone
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = asyncio.Event()
-        self.ready: dict[str, Any] | None = None
-        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.ready: Ready | None = None
+        self._replies: asyncio.Queue[Message | _Gone] = asyncio.Queue()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -68,7 +82,7 @@ class RunnerHandle:
     def returncode(self) -> int | None:
         return self.proc.returncode if self.proc else None
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> Ready:
         """Spawn and wait for `ready` (the load + warm-up). Raises RunnerLoadError."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -84,12 +98,12 @@ class RunnerHandle:
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         first = await self._next_reply()
-        if first.get("op") == "ready":
+        if isinstance(first, Ready):
             self.ready = first
             return first
         await self.stop()
-        if first.get("op") == "failed":
-            raise RunnerLoadError(f"model {self.name!r}: {first.get('error')}")
+        if isinstance(first, Failed):
+            raise RunnerLoadError(f"model {self.name!r}: {first.error}")
         raise RunnerLoadError(
             f"model {self.name!r}: runner (pid {self.pid}) exited with status "
             f"{self.returncode} while loading. Hint: its stderr above says why; check the "
@@ -99,8 +113,8 @@ class RunnerHandle:
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                msg = await read_frame(reader)
-                if msg.get("op") in ("progress", "status"):
+                msg = decode(await read_frame(reader))
+                if isinstance(msg, (Progress, Status)):
                     if self.on_event:
                         self.on_event(msg)
                 else:
@@ -112,25 +126,25 @@ class RunnerHandle:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.proc.wait(), 2.0)
             self.gone.set()
-            self._replies.put_nowait({"op": "gone"})
+            self._replies.put_nowait(_Gone())
             if self.on_gone:
                 self.on_gone()
 
-    async def _next_reply(self) -> dict[str, Any]:
+    async def _next_reply(self) -> Message | _Gone:
         return await self._replies.get()
 
-    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, msg: Message) -> Message:
         """Send one request and return its reply; RunnerGone if the runner dies meanwhile."""
         async with self._lock:
             if self.gone.is_set() or self._writer is None:
                 raise RunnerGone(f"model {self.name!r}: runner is not running")
             try:
-                self._writer.write(encode_frame(msg))
+                self._writer.write(encode_frame(encode(msg)))
                 await self._writer.drain()
             except ConnectionError as exc:
                 raise RunnerGone(f"model {self.name!r}: runner socket closed") from exc
             reply = await self._next_reply()
-            if reply.get("op") == "gone":
+            if isinstance(reply, _Gone):
                 self._replies.put_nowait(reply)
                 raise RunnerGone(
                     f"model {self.name!r}: runner (pid {self.pid}) died mid-step"
