@@ -235,7 +235,7 @@ class Router:
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
-            completion_tokens=len(rec.tokens))
+            completion_tokens=len(rec.tokens), cached_tokens=rec.cached_tokens)
         return _json(200, body)
 
     async def _openai_stream(self, rec: RequestRecord) -> AsyncIterator[bytes]:

@@ -11,7 +11,8 @@ Invariants owned here:
   executed in order: releases first (free KV blocks), then prefill of added sequences (each
   returns its first token; an add with `generated` prefills prompt + those tokens and returns
   the next one: a resumed request continues where it stopped), then one batched decode step
-  of the listed sequences.
+  of the listed sequences. The reply's `cached` says, per added sequence, how many of its
+  leading tokens the engine's prompt cache held (they were not prefilled again).
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
 - Load failures are reported as `{"op": "failed", "error": ...}` and the process exits 1; the
@@ -83,6 +84,7 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
             errors[add["id"]] = str(exc)
     added, failed = engine.add_many(new)  # similar-length prompts share one forward
     tokens = {sid: int(tok) for sid, tok in added.items()}
+    cached = {sid: engine.cached_tokens(sid) for sid in added}  # from the prompt cache
     errors.update((sid, str(exc)) for sid, exc in failed.items())
     step_ids = [s for s in msg.get("step", ()) if s not in errors]
     if step_ids:
@@ -92,7 +94,7 @@ def _step(engine: EngineLike, msg: dict[str, Any]) -> dict[str, Any]:
         except EdgeAgentError as exc:
             for sid in step_ids:
                 errors[sid] = str(exc)
-    return {"op": "result", "tokens": tokens, "errors": errors,
+    return {"op": "result", "tokens": tokens, "errors": errors, "cached": cached,
             "free_blocks": engine.free_blocks, "step_s": time.perf_counter() - t0}
 
 

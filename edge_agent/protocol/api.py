@@ -761,9 +761,10 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
 
 def completion_response(
     *, rid: str, model: str, created: int, chat: bool, text: str, finish_reason: str | None,
-    prompt_tokens: int, completion_tokens: int,
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    """The OpenAI-shaped (non-streaming) reply."""
+    """The OpenAI-shaped (non-streaming) reply; `cached_tokens`: prompt tokens the prompt
+    cache held (usage.prompt_tokens_details, as OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -780,6 +781,7 @@ def completion_response(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
     }
 
