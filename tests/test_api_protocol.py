@@ -334,7 +334,12 @@ def test_openai_shapes_and_sse() -> None:
     c = completion_response(rid="r", model="m", created=1, chat=False, text="t",
                             finish_reason="length", prompt_tokens=2, completion_tokens=3)
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t"
-    assert c["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert c["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    cached = completion_response(rid="r", model="m", created=1, chat=False, text="t",
+                                 finish_reason="length", prompt_tokens=9, completion_tokens=1,
+                                 cached_tokens=8)
+    assert cached["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
     ch = completion_response(rid="r", model="m", created=1, chat=True, text="t",
                              finish_reason="stop", prompt_tokens=1, completion_tokens=1)
     assert ch["choices"][0]["message"] == {"role": "assistant", "content": "t"}

@@ -167,6 +167,7 @@ class StepResult:
     free_blocks: int | None
     step_s: float
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # those that asked
+    cached: dict[str, int] = field(default_factory=dict)  # per add: prompt-cache tokens reused
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (model, outcome)
         self.tokens: dict[str, int] = defaultdict(int)
         self.prompt_tokens: dict[str, int] = defaultdict(int)
+        self.prompt_cache_hit_tokens: dict[str, int] = defaultdict(int)  # of prompt_tokens
+        self.prompt_cache_hits: dict[str, int] = defaultdict(int)  # requests with any
         self.model_events: dict[tuple[str, str], int] = defaultdict(int)
         # per model (the `model` label)
         self.batch: dict[str, Histogram] = defaultdict(lambda: Histogram(BATCH_BUCKETS))
@@ -90,6 +92,9 @@ class Metrics:
 
         self.requests[(rec.model, outcome)] += 1
         self.prompt_tokens[rec.model] += int(getattr(rec, "prompt_tokens", 0) or 0)
+        cached = int(getattr(rec, "cached_tokens", 0) or 0)
+        self.prompt_cache_hit_tokens[rec.model] += cached
+        self.prompt_cache_hits[rec.model] += cached > 0
         now = time.monotonic()
         self.latency[rec.model].observe(now - rec.submitted_mono)
         if rec.first_token_at is not None:
@@ -117,6 +122,12 @@ class Metrics:
                "Prompt tokens of finished requests (every outcome), by model.")
         for model, n in sorted(self.prompt_tokens.items()):
             lines.append(f'edge_agent_prompt_tokens_total{{model="{model}"}} {n}')
+        family("edge_agent_prompt_cache_hit_tokens_total", "counter",
+               "Prompt tokens of finished requests the runner's prompt cache held (not "
+               "prefilled again), by model.")
+        for model in sorted(self.prompt_tokens):
+            lines.append(f'edge_agent_prompt_cache_hit_tokens_total{{model="{model}"}} '
+                         f'{self.prompt_cache_hit_tokens.get(model, 0)}')
         family("edge_agent_model_events_total", "counter", "Model loads, unloads, failures.")
         for (model, event), n in sorted(self.model_events.items()):
             lines.append(f'edge_agent_model_events_total{{model="{model}",event="{event}"}} {n}')

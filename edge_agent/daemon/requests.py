@@ -46,6 +46,7 @@ class RequestRecord:
         self.created = int(time.time())
         self.decoder = decoder
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of prompt_tokens, held by the runner's prompt cache
         self.stop_ids = stop_ids
         self.max_new = max(1, min(request.max_tokens, context - prompt_tokens))
         self.tokens: list[int] = []
@@ -184,7 +185,8 @@ class RequestRecord:
         out: dict[str, Any] = {
             "id": self.id, "model": self.model, "state": job.state.value,
             "priority": job.priority, "attempts": job.attempts,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "completion_tokens": len(self.tokens),
             "text": self.text, "finish_reason": self.finish_reason,
             "queued_s": round(job.queued_s(now), 6), "ran_s": round(job.running_s(now), 6),
             "error": None if self.error is None else {"code": self.error[1],

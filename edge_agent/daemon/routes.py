@@ -277,7 +277,8 @@ class Router:
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
             completion_tokens=len(rec.tokens),
             tool_calls=structured.tool_calls(rec.request, rec.text, rec.id),
-            logprobs=self._logprobs(rec, 0, rec.logprobs_released))
+            logprobs=self._logprobs(rec, 0, rec.logprobs_released),
+            cached_tokens=rec.cached_tokens)
         return _json(200, body)
 
     def _logprobs(self, rec: RequestRecord, start: int, end: int) -> dict[str, Any] | None:

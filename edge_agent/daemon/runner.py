@@ -12,7 +12,9 @@ Invariants owned here:
   returns its first token; an add with `generated` prefills prompt + those tokens and returns
   the next one: a resumed request continues where it stopped), then one batched decode step
   of the listed sequences. The reply's `logprobs` holds, for each sequence whose params ask,
-  `[chosen token's logprob, [[id, logprob], ...the N most likely]]`.
+  `[chosen token's logprob, [[id, logprob], ...the N most likely]]`; its `cached` says, per
+  added sequence, how many of its leading tokens the engine's prompt cache held (they were not
+  prefilled again).
 - An `embed` message (token-id lists) is answered with one L2-normalized vector per list,
   float32 little-endian, base64 (`embedded`), or the engine's refusal in `error`; it runs in
   the engine's embedding context, between two steps, and changes no sequence.
@@ -129,6 +131,7 @@ def _step(engine: EngineLike, msg: Step) -> StepResult:
     logprobs: dict[str, TokenLogprob] = {}
     _logprobs(engine, logprobs)
     tokens = {sid: int(tok) for sid, tok in added.items()}
+    cached = {sid: engine.cached_tokens(sid) for sid in added}  # from the prompt cache
     errors.update((sid, str(exc)) for sid, exc in failed.items())
     for sid in failed:
         engine.constraints.release(sid)  # drops a grammar started for it
@@ -142,7 +145,8 @@ def _step(engine: EngineLike, msg: Step) -> StepResult:
             for sid in step_ids:
                 errors[sid] = str(exc)
     return StepResult(tokens=tokens, errors=errors, free_blocks=engine.free_blocks,
-                      step_s=time.perf_counter() - t0, logprobs=logprobs)
+                      step_s=time.perf_counter() - t0, logprobs=logprobs,
+                      cached=cached)
 
 
 def _embed(engine: EngineLike, msg: Embed) -> Embedded:

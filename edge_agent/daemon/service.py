@@ -343,6 +343,7 @@ class ModelService:
             "active": len(self.active), "queued": self.daemon.scheduler.queued(self.name),
             "max_batch": self.max_batch, "context": self.context,
             "budget_bytes": self.budget_bytes, "mlock": self.lock,
+            "prompt_cache": self._prompt_cache(),
             "free_blocks": self.free_blocks, "total_blocks": self.total_blocks,
             "ttl_s": self.ttl_s, "priority": self.entry.priority,
             "tokenizer_from": self.tokenizer_from,
@@ -353,6 +354,19 @@ class ModelService:
             d["load_progress"] = {"done": self._load_progress[0],
                                   "total": self._load_progress[1]}
         return d
+
+    def _prompt_cache(self) -> dict[str, Any]:
+        """The runner's prompt cache (None before a load: the engine decides) and what it
+        saved: prompt tokens of finished requests, those the cache held, requests it hit."""
+        info = (self.engine_info or {}).get("prompt_cache", False)
+        m = self.daemon.metrics
+        return {"enabled": None if info is False else info is not None,
+                # true: a hit gives the same tokens as a full prefill (the model is
+                # batch-invariant); false: they may differ, as with another batch
+                "exact": info.get("exact") if info else None,
+                "prompt_tokens": m.prompt_tokens.get(self.name, 0),
+                "cached_tokens": m.prompt_cache_hit_tokens.get(self.name, 0),
+                "hits": m.prompt_cache_hits.get(self.name, 0)}
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -483,6 +497,10 @@ class ModelService:
                                                   self.active}, free_blocks=None, step_s=0.0)
         self.free_blocks = reply.free_blocks
         self.daemon.metrics.observe_step(self.name, size, len(reply.tokens), reply.step_s)
+        for jid, cached in reply.cached.items():
+            rec = self.active.get(jid)
+            if rec is not None:  # a resumed attempt's cache may cover generated tokens too
+                rec.cached_tokens = min(cached, rec.prompt_tokens)
         for jid, message in reply.errors.items():
             rec = self.active.pop(jid, None)
             self.to_release.append(jid)

@@ -1064,11 +1064,12 @@ def completion_logprobs(entries: Sequence[TokenLogprob],
 def completion_response(
     *, rid: str, model: str, created: int, chat: bool, text: str, finish_reason: str | None,
     prompt_tokens: int, completion_tokens: int, tool_calls: list[dict[str, Any]] | None = None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
     tools: content null, finish_reason "tool_calls" (`logprobs`: chat_logprobs or
-    completion_logprobs, when the request asked)."""
+    completion_logprobs, when the request asked); `cached_tokens`: prompt tokens the prompt
+    cache held (usage.prompt_tokens_details, as OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat and tool_calls:
         choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
@@ -1090,6 +1091,7 @@ def completion_response(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
     }
 

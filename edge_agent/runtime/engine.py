@@ -196,7 +196,7 @@ class Engine:
                 "source_sha256": None if info is None else info.source_sha256,
                 "architecture": "llama",
                 "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
-                "layers": c.n_layers, "vocab_size": c.vocab_size}
+                "layers": c.n_layers, "vocab_size": c.vocab_size, "prompt_cache": None}
 
 
     @property
@@ -391,6 +391,11 @@ class Engine:
         q = self._seqs.pop(seq_id, None)
         if q is not None:
             self.pool.release(q.table)
+
+    def cached_tokens(self, seq_id: str) -> int:
+        """0: this engine has no prompt cache (every add prefills its whole prompt)."""
+        self._get(seq_id)
+        return 0
 
     # -- one-request conveniences ---------------------------------------------------------
 

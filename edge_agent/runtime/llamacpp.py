@@ -9,8 +9,22 @@ generation index)), so a request resumed on either engine draws the same numbers
 Invariants owned here:
 - One llama context per engine, created for `max_batch` sequences of `context` tokens each
   (`n_seq_max = max_batch`, `n_ctx = context * max_batch`, a per-sequence KV cache): a sequence
-  holds one llama.cpp `seq_id` (a slot) from `add` to `release`; releasing removes its cells
-  from the KV cache (`llama_memory_seq_rm`), so a freed slot starts empty.
+  holds one llama.cpp `seq_id` (a slot) from `add` to `release`.
+- The prompt cache: a released slot keeps its KV cells and remembers the tokens they hold
+  (prompt + fed tokens; checked against the cache's last position). `add` takes the free slot
+  whose remembered tokens share the longest common prefix with the new prompt (llama-server's
+  slot selection by LCP), removes the cells after that prefix and prefills the rest only; at
+  least one token is always decoded (its logits give the first token). On a batch-invariant
+  model (`exact_reuse`, measured by `batch_invariance`) only cells a prefill wrote are reused,
+  in whole BATCH_TOKENS pieces, so a hit gives the same tokens as a cold prefill; on others
+  every held cell is (their tokens may already differ with the batch). A slot is reused by
+  prefix only when the prefix keeps at least half of what it holds (a shared system prompt
+  does not cut a long conversation's cache); otherwise an empty slot, else the least recently
+  released one, is cleared. The memory is the slots that exist; nothing else is kept.
+- Sliding-window models (`llama_model_n_swa` > 0, `swa_full` off) keep only the window in
+  their SWA layers: cells after the prefix are removed only when the window before it is
+  still held (llama-server's `pos_min` check); else the slot is cleared. Appending to what a
+  slot holds is always safe.
 - `step` is all-or-nothing: every argument is checked before `llama_decode`; a failed decode
   advances no sequence. A sequence never grows past `context` tokens.
 - Every token of one `llama_decode` call belongs to exactly one sequence; logits are requested
@@ -39,7 +53,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +73,7 @@ from edge_agent.runtime.llama_vocab import (
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs, sample_rows_with_logprobs
 
-__all__ = ["LlamaCppEngine", "LlamaCppError", "default_threads"]
+__all__ = ["LlamaCppEngine", "LlamaCppError", "common_prefix", "default_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +133,38 @@ class _Seq:
     last: int  # last sampled token, fed by the next step
     generated: int  # tokens sampled so far (the next one is generation index `generated`)
     history: list[int] | None = None  # prompt + sampled tokens, kept only for penalties
+    kv: list[int] = field(default_factory=list)  # the tokens the KV cells hold, in order
+    cached: int = 0  # tokens of the prompt (+ resumed tokens) the prompt cache gave at add
+    prefilled: int = 0  # leading cells a prefill wrote (the rest: one decode step each)
+
+
+def _prefill_chunks(spans: list[tuple[int, list[int]]]) -> Iterator[list[tuple[int, int, int]]]:
+    """(sequence index, position, token) rows of each llama_decode call prefilling `spans`
+    (per sequence: first position to prefill, its tokens). A sequence's rows are cut at
+    absolute positions that are multiples of BATCH_TOKENS, and a piece is never split over
+    two calls: a prompt's cells are computed in the same pieces whether its head came from
+    the prompt cache (cut at such a multiple) or not, so a hit gives the same bits."""
+    chunk: list[tuple[int, int, int]] = []
+    for k, (start, ids) in enumerate(spans):
+        pos = start
+        while pos < len(ids):
+            end = min(len(ids), (pos // BATCH_TOKENS + 1) * BATCH_TOKENS)
+            if len(chunk) + end - pos > BATCH_TOKENS:
+                yield chunk
+                chunk = []
+            chunk += [(k, p, ids[p]) for p in range(pos, end)]
+            pos = end
+    if chunk:
+        yield chunk
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 class LlamaCppEngine:
@@ -188,7 +234,11 @@ class LlamaCppEngine:
         self.load_s = time.monotonic() - t0
         self._batch = lib.llama_batch_init(max(BATCH_TOKENS, max_batch), 0, 1)
         self._seqs: dict[str, _Seq] = {}
-        self._free_slots = list(range(max_batch))
+        self._free_slots = list(range(max_batch))  # least recently released first
+        # free slot -> (the tokens its KV cells hold, how many of them a prefill wrote)
+        self._held: dict[int, tuple[list[int], int]] = {}
+        self.exact_reuse = True  # batch_invariance() measures it; see _reusable
+        self._n_swa = int(lib.llama_model_n_swa(model))  # 0: no sliding-window layers
         self._ids = itertools.count()
         self.constraints = Constraints(self.tokenizer, self.n_vocab)  # grammars by sequence
         # the log-probabilities of the last add_many / step, by sequence (those that asked)
@@ -322,7 +372,10 @@ class LlamaCppEngine:
                 "weight_bytes": int(lib.llama_model_size(model)),
                 "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
                 "vocab_type": self.tokenizer.vocab_type, "vocab_size": self.n_vocab,
-                "pooling": self.pooling, "embedding_length": self.n_embd}
+                "pooling": self.pooling, "embedding_length": self.n_embd,
+                "prompt_cache": {"slots": self.max_batch, "sliding_window": self._n_swa,
+                                 "exact": self.exact_reuse,
+                                 "held_tokens": sum(len(t) for t, _ in self._held.values())}}
 
     # -- step API -------------------------------------------------------------------------------
     def _get(self, seq_id: str) -> _Seq:
@@ -386,20 +439,21 @@ class LlamaCppEngine:
         errors: dict[str, EdgeAgentError] = {}
         self.last_logprobs = {}
         ready: list[tuple[NewSeq, list[int], int]] = []
+        reused: list[int] = []  # per ready sequence: its leading tokens already in the cache
         for seq in new:
             try:
                 ids = self._check_new(seq, len(ready))
             except LlamaCppError as exc:
                 errors[seq.seq_id] = exc
                 continue
-            ready.append((seq, ids, self._free_slots[len(ready)]))
+            slot, keep = self._take_slot(ids, [r[2] for r in ready])
+            ready.append((seq, ids, slot))
+            reused.append(keep)
         if not ready:
             return tokens, errors
-        work = [(k, pos, tok) for k, (_, ids, _) in enumerate(ready) for pos, tok in enumerate(ids)]
         last_row: dict[int, np.ndarray] = {}
         try:
-            for start in range(0, len(work), BATCH_TOKENS):
-                chunk = work[start:start + BATCH_TOKENS]
+            for chunk in _prefill_chunks([(n, r[1]) for n, r in zip(reused, ready, strict=True)]):
                 outs = [k for k, pos, _ in chunk if pos == len(ready[k][1]) - 1]
                 self._decode([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
                               for k, pos, tok in chunk])
@@ -408,7 +462,7 @@ class LlamaCppEngine:
                     last_row[k] = rows[j].copy()
         except LlamaCppError as exc:
             for seq, _, slot in ready:
-                self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                self._clear_slot(slot)
                 errors[seq.seq_id] = exc
             return tokens, errors
         order = list(range(len(ready)))
@@ -424,7 +478,8 @@ class LlamaCppEngine:
             history = [*ids, int(token)] if seq.params.penalized else None
             self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, length=len(ids),
                                           last=int(token), generated=len(seq.generated) + 1,
-                                          history=history)
+                                          history=history, kv=ids, cached=reused[k],
+                                          prefilled=len(ids))
             tokens[seq.seq_id] = int(token)
             if lp is not None:
                 self.last_logprobs[seq.seq_id] = lp
@@ -453,6 +508,7 @@ class LlamaCppEngine:
         self.constraints.advance(seq_ids, sampled)
         out: dict[str, int] = {}
         for sid, q, token, lp in zip(seq_ids, seqs, sampled, lps, strict=True):
+            q.kv.append(q.last)
             q.length += 1
             q.last = int(token)
             q.generated += 1
@@ -464,13 +520,74 @@ class LlamaCppEngine:
         return out
 
     def release(self, seq_id: str) -> None:
-        """Forget `seq_id` and clear its KV cells (unknown ids are ignored)."""
+        """Forget `seq_id`; its slot keeps the KV cells for the prompt cache (unknown ids are
+        ignored)."""
         self.constraints.release(seq_id)
         q = self._seqs.pop(seq_id, None)
         if q is not None:
-            self._lib.llama_memory_seq_rm(self._mem, q.slot, -1, -1)
-            self._free_slots.append(q.slot)
-            self._free_slots.sort()
+            self._free_slots.append(q.slot)  # the most recently released: evicted last
+            if self._lib.llama_memory_seq_pos_max(self._mem, q.slot) == len(q.kv) - 1:
+                self._held[q.slot] = (q.kv, q.prefilled)
+            else:  # the cells are not what we think they are: never reuse them
+                self._clear_slot(q.slot)
+
+    def cached_tokens(self, seq_id: str) -> int:
+        """How many leading tokens of `seq_id`'s prompt (+ resumed tokens) came from the
+        prompt cache when it was added (0: prefilled in full)."""
+        return self._get(seq_id).cached
+
+    def clear_cache(self) -> None:
+        """Forget every free slot's cells (the next adds prefill in full)."""
+        for slot in list(self._held):
+            self._clear_slot(slot)
+
+    # -- the prompt cache ---------------------------------------------------------------------
+    def _take_slot(self, ids: list[int], taken: list[int]) -> tuple[int, int]:
+        """A free slot for prompt `ids` (not one in `taken`) and how many leading tokens of
+        `ids` its KV cells already hold; the cells after those are removed."""
+        free = [s for s in self._free_slots if s not in taken]
+        best, keep = -1, 0
+        for slot in free:  # least recently released first: ties go to the older slot
+            held, prefilled = self._held.get(slot, ((), 0))
+            n = common_prefix(held, ids)
+            if 2 * n < len(held):  # keeps less than half: a shared system prompt, say
+                continue
+            n = self._reusable(slot, min(n, len(ids) - 1), prefilled)  # decode >= 1 token
+            if n > keep:
+                best, keep = slot, n
+        if best < 0:  # no prefix worth keeping: an empty slot, else the least recently used
+            empty = [s for s in free if s not in self._held]
+            best = empty[0] if empty else free[0]
+        if keep == 0:
+            self._clear_slot(best)
+        elif keep < len(self._held[best][0]):
+            if not self._lib.llama_memory_seq_rm(self._mem, best, keep, -1):
+                self._clear_slot(best)  # this memory cannot drop a tail (recurrent state)
+                keep = 0
+        self._held.pop(best, None)
+        return best, keep
+
+    def _reusable(self, slot: int, keep: int, prefilled: int) -> int:
+        """How many of the first `keep` held tokens of `slot` a new sequence may use.
+
+        Exact reuse (`exact_reuse`, the model's tokens do not depend on the batch): only
+        cells a prefill wrote, in whole pieces of BATCH_TOKENS (`_prefill_chunks` computes
+        every prompt in those pieces), so a hit is bit-identical to a cold prefill; a cell
+        a decode step wrote differs in its last bits from one a prefill writes. Otherwise
+        every held cell. Cutting a tail off a sliding-window cache needs the window before
+        the cut, which the cache may have overwritten (llama-server's `pos_min` check);
+        appending is always safe."""
+        if self.exact_reuse:
+            keep = min(keep, prefilled) // BATCH_TOKENS * BATCH_TOKENS
+        held = len(self._held.get(slot, ((), 0))[0])
+        if keep <= 0 or self._n_swa == 0 or keep >= held:
+            return max(keep, 0)
+        pos_min = int(self._lib.llama_memory_seq_pos_min(self._mem, slot))
+        return keep if 0 <= pos_min <= max(0, keep - self._n_swa) else 0
+
+    def _clear_slot(self, slot: int) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._held.pop(slot, None)
 
     def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
         """Measured, not assumed: does one decode step give a sequence bit-identical logits
@@ -478,7 +595,8 @@ class LlamaCppEngine:
         change with the number of tokens in a step (on x86-64, Gemma 3's K-quant and repacked
         Q4_0 matrix products switch kernels at 2, 4 and 8 rows), so their tokens may depend
         on what shares the batch; llama-family Q4_0/Q4_1/Q8_0 files here do not. Needs free
-        slots: call it before serving (the runner does, at warm-up)."""
+        slots: call it before serving (the runner does, at warm-up). Sets `exact_reuse`
+        (the prompt cache's mode) to the answer and leaves the prompt cache empty."""
         ids = [int(i) for i in prompt_ids] or self.warmup_ids()
         params = SamplingParams(max_tokens=2)
         rows: list[np.ndarray] = []
@@ -487,6 +605,7 @@ class LlamaCppEngine:
                 NewSeq(f"_probe{k}", [*ids[: 1 + k % len(ids)], 0], params)
                 for k in range(company)]
             try:
+                self.clear_cache()  # each round prefills afresh, next to its company
                 _, errors = self.add_many(seqs)
                 if errors:
                     raise next(iter(errors.values()))
@@ -495,7 +614,10 @@ class LlamaCppEngine:
             finally:
                 for s in seqs:
                     self.release(s.seq_id)
-        return all(np.array_equal(rows[0], r) for r in rows[1:])
+                self.clear_cache()
+        invariant = all(np.array_equal(rows[0], r) for r in rows[1:])
+        self.exact_reuse = invariant  # the prompt cache keeps such a model's tokens exact
+        return invariant
 
     # -- sentence embeddings --------------------------------------------------------------------
     def embed(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
