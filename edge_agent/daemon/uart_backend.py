@@ -36,6 +36,7 @@ from edge_agent.errors import (
     ShuttingDown,
 )
 from edge_agent.protocol.api import MAX_TOKENS_LIMIT, ApiError, GenerationRequest, parse_generation
+from edge_agent.protocol.frame_ext import SAMPLING_EXTRAS
 from edge_agent.transports.backend import Backend
 from edge_agent.transports.serial_link import LinkSettings
 from edge_agent.transports.uart import (
@@ -94,11 +95,9 @@ class ConsoleModel(Protocol):
 def _sampling(params: GenParams) -> list[tuple[str, Any]]:
     """The request-body fields of `params` beyond max_tokens / temperature / seed (None: unset,
     the daemon's default)."""
-    return [("top_k", params.top_k), ("top_p", params.top_p), ("min_p", params.min_p),
-            ("presence_penalty", params.presence_penalty),
-            ("frequency_penalty", params.frequency_penalty),
-            ("repeat_penalty", params.repeat_penalty), ("repeat_last_n", params.repeat_last_n),
-            ("stop", list(params.stop) or None),
+    out: list[tuple[str, Any]] = [(k, getattr(params, k)) for k in SAMPLING_EXTRAS
+                                  if k not in ("stop", "logit_bias")]
+    return [*out, ("stop", list(params.stop) or None),
             ("logit_bias", {str(t): b for t, b in params.logit_bias} or None),
             ("response_format", None if params.response_format is None
              else json.loads(json.dumps(params.response_format)))]

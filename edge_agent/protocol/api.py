@@ -85,6 +85,7 @@ __all__ = [
     "SESSION_MAX_LEN",
     "MAX_TOKENS_LIMIT",
     "field_error",
+    "bool_field",
     "MAX_LOGIT_BIAS_ENTRIES",
 ]
 
@@ -983,7 +984,8 @@ def _model_field(d: Mapping[str, Any]) -> str | None:
     return model
 
 
-def _bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
+def bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    """`d[key]` as a JSON boolean (`default` when absent or null); 400 naming `key` else."""
     v = d.get(key)
     if v is None:
         return default
@@ -1001,9 +1003,9 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     if not isinstance(content, str):
         raise _bad("content", f"expected a string, got {_show(content)}",
                    'send {"content": "Hello world"}')
-    return TokenizeRequest(content=content, add_special=_bool_field(d, "add_special", False),
-                           parse_special=_bool_field(d, "parse_special", True),
-                           with_pieces=_bool_field(d, "with_pieces", False),
+    return TokenizeRequest(content=content, add_special=bool_field(d, "add_special", False),
+                           parse_special=bool_field(d, "parse_special", True),
+                           with_pieces=bool_field(d, "with_pieces", False),
                            model=_model_field(d))
 
 

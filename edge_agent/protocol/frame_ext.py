@@ -17,10 +17,31 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["ExtTag", "EXT_ENTRY", "MAX_STOP", "pack_extension", "unpack_extension",
-           "schema_from_json"]
+__all__ = ["SamplingExtras", "SAMPLING_EXTRAS", "ExtTag", "EXT_ENTRY", "MAX_STOP",
+           "pack_extension", "unpack_extension", "schema_from_json"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingExtras:
+    """The sampling controls a UART request may carry beyond max_tokens / temperature / seed
+    (None / (): the daemon's default), shared by the GENERATE frame and the transports'
+    GenParams so the list is written once."""
+
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+
+
+SAMPLING_EXTRAS = tuple(f.name for f in fields(SamplingExtras))
 
 EXT_ENTRY = struct.Struct("<BH")  # tag, value length
 MAX_STOP = 4  # protocol/api.py's MAX_STOP (tests/test_frames.py checks they agree)

@@ -44,6 +44,7 @@ from typing import Any
 from edge_agent.protocol.frame_ext import (
     MAX_STOP,
     ExtTag,
+    SamplingExtras,
     pack_extension,
     schema_from_json,
     unpack_extension,
@@ -336,7 +337,7 @@ MAX_SCHEMAS = 16  # schemas one port may hold registered (SCHEMA frames)
 
 
 @dataclass(frozen=True)
-class Generate:
+class Generate(SamplingExtras):
     prompt: str
     priority: int = 5
     max_tokens: int = 64
@@ -344,16 +345,7 @@ class Generate:
     seed: int | None = None
     temperature: float = 0.0
     chat: bool = False
-    # the extension (FLAG_EXT); None / () / False: the daemon's default
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    stop: tuple[str, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # the extension (FLAG_EXT), beside SamplingExtras'; None / False: the daemon's default
     json_object: bool = False  # the reply is one JSON object
     schema: dict[str, Any] | None = None  # the reply follows this JSON Schema
     schema_id: int | None = None  # ... or the one registered under this id (SCHEMA frame)

@@ -43,6 +43,7 @@ from edge_agent.protocol.api import (
     ApiError,
     ChatMessage,
     GenerationRequest,
+    bool_field,
     parse_generation,
     parse_json_body,
 )
@@ -272,15 +273,6 @@ def _model(d: Mapping[str, Any]) -> str:
     return model
 
 
-def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
-    v = d.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(key, f"expected true or false, got {_show(v)}", f'use "{key}": true')
-    return v
-
-
 def _options(d: Mapping[str, Any], limit: int) -> tuple[dict[str, Any], dict[str, str]]:
     """The OpenAI-shaped sampling fields for parse_generation, and their Ollama names."""
     opts = d.get("options")
@@ -475,7 +467,7 @@ def _common(body: bytes, path: str) -> tuple[dict[str, Any], str, bool, KeepAliv
     d = parse_json_body(body)
     _check_fields(d, path)
     ka = d.get("keep_alive")
-    return d, _model(d), _bool(d, "stream", True), None if ka is None else parse_keep_alive(ka)
+    return d, _model(d), bool_field(d, "stream", True), None if ka is None else parse_keep_alive(ka)
 
 
 def parse_chat(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
@@ -502,7 +494,7 @@ def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
         if v is not None and not isinstance(v, str):
             raise _bad(key, f"expected a string, got {_show(v)}", f'use "{key}": "..."')
         texts[key] = v or ""
-    raw = _bool(d, "raw", False)
+    raw = bool_field(d, "raw", False)
     if raw and texts["system"]:
         raise _bad("system", "a raw prompt is sent as is, so a system message has nowhere to "
                    "go", 'put it in the prompt yourself, or drop "raw"')
@@ -563,7 +555,7 @@ def parse_embed(body: bytes, *, legacy: bool = False) -> OllamaEmbed:
                    "leave it out (the model's size)")
     req = EmbeddingsRequest(inputs=tuple(texts), single=isinstance(v, str), model=model,
                             encoding_format="float", dimensions=dims,
-                            truncate=True if legacy else _bool(d, "truncate", True))
+                            truncate=True if legacy else bool_field(d, "truncate", True))
     return OllamaEmbed(model=model, request=req,
                        keep_alive=None if ka is None else parse_keep_alive(ka), legacy=legacy)
 
@@ -575,7 +567,7 @@ def parse_show(body: bytes) -> str:
         if key not in ("model", "name", "verbose"):
             raise _bad(key, "unknown parameter for /api/show", "send {\"model\": NAME}",
                        code="unknown_parameter")
-    _bool(d, "verbose", False)
+    bool_field(d, "verbose", False)
     return _model({"model": d.get("model") or d.get("name")})
 
 

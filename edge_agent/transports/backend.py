@@ -18,24 +18,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.protocol.frame_ext import SamplingExtras
 
 __all__ = ["GenParams", "Token", "Done", "Failed", "StreamEvent", "Backend", "BackendError"]
 
 
 @dataclass(frozen=True)
-class GenParams:
+class GenParams(SamplingExtras):
     max_tokens: int = 64
     temperature: float = 0.0
     seed: int | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    stop: tuple[str, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     response_format: Mapping[str, Any] | None = None  # None: free text
 
 

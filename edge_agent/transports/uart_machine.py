@@ -24,11 +24,8 @@ from typing import Any
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol import frames as fr
+from edge_agent.protocol.frame_ext import SAMPLING_EXTRAS
 from edge_agent.transports.backend import Backend, BackendError, Done, GenParams, Token
-
-# the GENERATE fields copied to GenParams as they are
-_SAMPLING = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-             "repeat_penalty", "repeat_last_n", "stop", "logit_bias")
 
 __all__ = ["MachineSession"]
 
@@ -72,7 +69,7 @@ class MachineSession:
                             "end when the daemon restarts).")
                 return None
         return GenParams(g.max_tokens, g.temperature, g.seed,
-                         **{k: getattr(g, k) for k in _SAMPLING}, response_format=fmt)
+                         **{k: getattr(g, k) for k in SAMPLING_EXTRAS}, response_format=fmt)
 
     def _schema(self, f: fr.Frame) -> None:
         try:
