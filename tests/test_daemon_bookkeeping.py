@@ -15,7 +15,8 @@ import pytest
 
 from edge_agent.config import load_config
 from edge_agent.daemon.app import Daemon
-from edge_agent.protocol.api import parse_generation
+from edge_agent.daemon.outcome import Outcome
+from edge_agent.protocol.api import END_STATUS, parse_generation
 from edge_agent.scheduler import JobState, ModelState
 
 
@@ -45,8 +46,8 @@ def test_unexpected_load_error_fails_the_model_and_its_requests(
         await svc._load()
         assert svc.lifecycle.state is ModelState.FAILED
         assert "KeyError" in (svc.lifecycle.reason or "") and "Hint:" in svc.lifecycle.reason
-        assert rec.done.is_set() and rec.error is not None
-        assert rec.error[0] == 503 and rec.error[1] == "model_failed"
+        assert rec.done.is_set() and rec.outcome is not None
+        assert END_STATUS[rec.outcome.code or ""] == 503 and rec.outcome.code == "model_failed"
         assert d.metrics.requests[("smollm2", "failed")] == 1
         assert svc.runner is None
 
@@ -61,11 +62,13 @@ def test_request_ended_before_its_result_is_counted_once(tmp_path: Path) -> None
         d.scheduler.take("smollm2", 4, now + 1.0)  # running
         d.cancel(rec.id)  # the client went away
         assert d.metrics.requests[("smollm2", "cancelled")] == 1
-        d.complete_record(rec, now)  # the runner's last token arrives late
-        d.fail_record(rec, now, 500, "runner_error", "late failure")
+        # the runner's last token arrives late, then a failure
+        assert not d.requests.finish(rec.id, Outcome.done("stop"), now)
+        assert not d.requests.finish(rec.id, Outcome.failed("runner_error", "late failure"), now)
         assert d.metrics.requests[("smollm2", "done")] == 0
         assert d.metrics.requests[("smollm2", "failed")] == 0
-        assert rec.error is None and rec.finish_reason == "cancelled"
+        assert rec.outcome is not None and rec.outcome.code is None
+        assert rec.finish_reason == "cancelled"
         assert d.scheduler.get(rec.id).state is JobState.CANCELLED
 
     asyncio.run(go())

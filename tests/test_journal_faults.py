@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from edge_agent.config import load_config
+from edge_agent.daemon.outcome import Outcome
 from edge_agent.journal import JournalError, JournalStore, open_journal
 from edge_agent.protocol.api import ApiError, parse_generation
 from edge_agent.scheduler import Job
@@ -99,9 +100,7 @@ class _Rec:
         self.model = "m"
         self.tokens: list[int] = []
         self.decoder = SimpleNamespace(offset=0)
-        self.error: tuple[int, str, str] | None = None
-        self.finish_reason: str | None = None
-        self.on_finish: Any = None
+        self.outcome: Outcome | None = None
 
     @property
     def id(self) -> str:
@@ -171,14 +170,14 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
             dj.accept(_Rec("req-c"))
         # a turn that ends while the journal is full (outside a step): its session history is
         # saved after its end is durable, not before
-        b.finish_reason = "cancelled"
+        b.outcome = Outcome.cancel("cancelled by the client")
         dj.finished(b)
         assert host.sessions_seen.finished == []
         filler.unlink()
         await _until(lambda: dj.writable, 15.0, "the journal to be writable again")
         assert dj.fault is None and dj.health()["fault"] is None
         await _step(dj, a, 15)
-        a.finish_reason = "length"
+        a.outcome = Outcome.done("length")
         dj.finished(a)
         assert host.sessions_seen.finished == [("req-b", False), ("req-a", True)]
         dj.close()

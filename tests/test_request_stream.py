@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edge_agent.daemon.outcome import Outcome
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.protocol.api import GenerationRequest
 from edge_agent.runtime.tokenizer import IncrementalDecoder, Tokenizer
@@ -74,6 +75,7 @@ def _run(tok: Tokenizer, ids: list[int], stop: tuple[str, ...], max_new: int) ->
         pending = asyncio.ensure_future(reader.__anext__())
         for t in ids:
             if rec.push(t):
+                rec.end(Outcome.done(rec.ended))  # as RequestTable.finish does
                 break
             await asyncio.sleep(0)  # the reader takes every piece released so far
             while pending.done():
@@ -168,6 +170,7 @@ def test_streamed_logprobs_equal_whole_logprobs(tokenizer: Tokenizer, corpus: li
                             prompt_tokens=1, stop_ids=frozenset({EOS}), context=4096)
         for i, t in enumerate(ids):
             if rec.push(t, [float(i), [[t, float(i)]]]):
+                rec.end(Outcome.done(rec.ended))  # as RequestTable.finish does
                 break
         streamed: list[float] = []
         sent = 0

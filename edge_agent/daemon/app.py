@@ -43,7 +43,6 @@ import signal
 import time
 import traceback
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,8 @@ from edge_agent.daemon.durable import DaemonJournal
 from edge_agent.daemon.flashing import FlashService
 from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
+from edge_agent.daemon.outcome import Outcome
+from edge_agent.daemon.request_table import RequestTable
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.routes import Router
 from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
@@ -63,7 +64,7 @@ from edge_agent.daemon.uart_backend import DaemonBackend, Uarts, serial_ports
 from edge_agent.errors import EXIT_ERROR, ConfigError, EdgeAgentError
 from edge_agent.journal import StateDirLock
 from edge_agent.protocol.api import ApiError, GenerationRequest
-from edge_agent.scheduler import Job, JobState, ModelState, QueueFull, Scheduler
+from edge_agent.scheduler import Job, ModelState, QueueFull, Scheduler
 from edge_agent.transports.http import HttpServer, Request, Response
 
 __all__ = ["Daemon"]
@@ -106,12 +107,16 @@ class Daemon:
         self.env = dict(env)
         self.state_dir = Path(config.server.state_dir)
         self.scheduler = Scheduler(config.scheduler)
-        self.records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.metrics = Metrics()
+        # the requests by id; every request ends in self.requests.finish (request_table.py)
+        self.requests = RequestTable(
+            self.scheduler, keep_finished=int(config.scheduler.keep_finished),
+            count=self.metrics.request_done, journal=lambda rec: self.journal.finished(rec))
         self.memory = MemoryGuard(  # cgroup v2 groups, OOM kills, PSI stages
             config.cgroup, env=self.env, models=lambda: self.services,
             queued=self.scheduler.queued, stopping=lambda: self.stopping,
-            shed=lambda rec, now, msg: self.fail_record(rec, now, 503, "memory_pressure", msg),
+            shed=lambda rec, now, msg: self.requests.finish(
+                rec.id, Outcome.failed("memory_pressure", msg), now),
             record_event=self._record_event, io_factory=cgroup_io)
         self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
@@ -142,6 +147,11 @@ class Daemon:
         self._deaths: dict[str, list[float]] = {}
         self.http = HttpServer(_Router(self).handle, max_body_bytes=config.server.max_body_bytes,
                                drain_timeout_s=config.server.drain_timeout_s)
+
+    @property
+    def records(self) -> Mapping[str, RequestRecord]:
+        """The requests by id (read-only: they are added and ended through `requests`)."""
+        return self.requests.records
 
     # -- small services for the model loops and routes -----------------------------------------
     def request_exit(self) -> None:
@@ -197,37 +207,18 @@ class Daemon:
     def reap(self, now: float) -> None:
         """Expire jobs past their deadline: answer 504 at once, poke their model loops."""
         for job in self.scheduler.expire(now):
-            rec = self.records.get(job.id)
-            if rec is not None:
-                rec.finish(None, error=(504, "deadline_exceeded", job.error or "deadline passed"),
-                           queued_s=round(job.queued_s(now), 6),
-                           ran_s=round(job.running_s(now), 6))
-                self.metrics.request_done(rec, "expired")
+            self.requests.finish(job.id, Outcome.expired(
+                job.error or "deadline passed", job.queued_s(now), job.running_s(now)), now)
             svc = self.services.get(job.model)
             if svc is not None:
                 svc.poke()
-
-    def complete_record(self, rec: RequestRecord, now: float) -> None:
-        # finish() is None when the job had already ended (cancel/expiry won): counted then.
-        if self.scheduler.finish(rec.id, now, JobState.DONE) is not None:
-            self.metrics.request_done(rec, "done")
-
-    def fail_record(self, rec: RequestRecord, now: float, status: int, code: str,
-                    message: str) -> None:
-        if self.scheduler.finish(rec.id, now, JobState.FAILED, message) is None:
-            return  # already ended (and answered, and counted)
-        rec.finish(None, error=(status, code, message))
-        self.metrics.request_done(rec, "failed")
 
     def cancel(self, rid: str, why: str = "cancelled by the client") -> RequestRecord | None:
         rec = self.records.get(rid)
         if rec is None:
             return None
-        job = self.scheduler.cancel(rid, time.monotonic())
-        if job is not None:
-            rec.finish("cancelled", cancelled=why)
-            self.metrics.request_done(rec, "cancelled")
-            svc = self.services.get(job.model)
+        if self.requests.finish(rid, Outcome.cancel(why), time.monotonic()):
+            svc = self.services.get(rec.model)
             if svc is not None:
                 svc.poke()
         return rec
@@ -321,10 +312,9 @@ class Daemon:
                 raise self.journal.unavailable() from exc
             raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
                            headers=[("retry-after", "5")]) from exc
-        self.records[job.id] = rec
+        self.requests.add(rec)
         if req.session is not None:
             self.sessions.claim(req.session, job.id)
-        self._prune()
         svc.poke()
         self._tick.set()
         return rec
@@ -362,14 +352,6 @@ class Daemon:
                     f"{svc.context} to silence this.")
             self.context_notes[svc.name] = note
             log.warning(note)
-
-    def _prune(self) -> None:
-        keep = self.scheduler.config.keep_finished
-        while len(self.records) > keep:
-            rid, rec = next(iter(self.records.items()))
-            if not rec.done.is_set():
-                break
-            del self.records[rid]
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def serve(self) -> int:
@@ -546,11 +528,11 @@ class Daemon:
 
     def _keep(self, rec: RequestRecord) -> None:
         """Answer a waiting client 503 while the request stays open in the journal."""
-        rec.on_finish = None  # not journaled as failed: it stays queued/running there
-        rec.finish(None, error=(503, "shutting_down", f"daemon stopping; request {rec.id} is "
-                                "kept and resumes after restart; GET /v1/requests/"
-                                f"{rec.id}. Hint: read it there once the daemon is back."),
-                   kept=True)
+        # kept: not journaled as failed, it stays queued/running there
+        self.requests.finish(rec.id, Outcome.failed(
+            "shutting_down", f"daemon stopping; request {rec.id} is kept and resumes after "
+            f"restart; GET /v1/requests/{rec.id}. Hint: read it there once the daemon is back.",
+            kept=True), time.monotonic())
 
     async def _watchdog_while_stopping(self, interval: float) -> None:
         """The main loop has ended: keep proving the event loop is alive while draining, so
@@ -583,8 +565,9 @@ class Daemon:
                 if rec is not None and kept:
                     self._keep(rec)
                 elif rec is not None:
-                    rec.finish(None, error=(503, "shutting_down", "the daemon is shutting down "
-                                            "before this request started. Hint: resubmit."))
+                    self.requests.finish(rec.id, Outcome.failed(
+                        "shutting_down", "the daemon is shutting down before this request "
+                        "started. Hint: resubmit."), now)
             svc.poke()
         drain = float(self.config.server.drain_timeout_s)
         deadline = now + drain
@@ -599,11 +582,12 @@ class Daemon:
             if not rec.done.is_set() and kept:
                 self._keep(rec)  # its journaled tokens stay; the next start continues them
             elif not rec.done.is_set():
-                self.fail_record(rec, time.monotonic(), 503, "shutting_down", (
+                self.requests.finish(rec.id, Outcome.failed("shutting_down", (
                     f"daemon stopping: request {rec.id} did not finish within the drain "
                     f"(server.drain_timeout_s = {drain:g} s) and the journal is off, so it "
                     "cannot resume. Hint: resubmit it once the daemon is back; with "
-                    "[journal] enabled such requests are kept and resume after a restart."))
+                    "[journal] enabled such requests are kept and resume after a restart.")),
+                    time.monotonic())
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic())
                                    + ANSWER_GRACE_S + 1.0)

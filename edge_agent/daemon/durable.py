@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from edge_agent.daemon.ipc import Ready
+from edge_agent.daemon.outcome import Outcome
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.journal import (
     JournalConflictError,
@@ -91,12 +92,9 @@ End = tuple[str, str, str | None, str | None]
 
 
 def final_state(rec: RequestRecord) -> str:
-    """The journal state of a finished record."""
-    if rec.error is not None:
-        return "expired" if rec.error[0] == 504 else "failed"
-    if rec.finish_reason == "cancelled":
-        return "cancelled"
-    return "done"
+    """The journal state of a finished record: its outcome's state."""
+    assert rec.outcome is not None, f"request {rec.id} has not ended"
+    return rec.outcome.state
 
 
 def _request_input(req: GenerationRequest) -> dict[str, Any]:
@@ -401,7 +399,6 @@ class DaemonJournal:
     def accept(self, rec: RequestRecord) -> None:
         """Journal a new request (before its id goes out); JournalUnavailableError when the
         storage refuses (the journal is faulted then)."""
-        rec.on_finish = self.finished
         if self.store is None:
             return
         if self.fault is not None:
@@ -436,8 +433,11 @@ class DaemonJournal:
             self._rows.append((rec.id, i, rec.tokens[i], rec.decoder.offset))
 
     def finished(self, rec: RequestRecord) -> None:
-        entry = (rec.id, final_state(rec), None if rec.error is None else rec.error[2],
-                 rec.finish_reason)
+        """Journal the end of `rec` (RequestTable.finish calls this, once per request)."""
+        end = rec.outcome
+        assert end is not None, f"request {rec.id} has not ended"
+        entry = (rec.id, end.state, None if end.code is None else end.message,
+                 end.finish_reason)
         if self._step_depth:  # the session grows once the step (its last tokens) is durable
             self._finishes[rec.id] = entry
             self._after.append(rec)
@@ -549,13 +549,17 @@ class DaemonJournal:
         for t in tokens:
             rec.push(t)
         rec.restart()
-        if jreq.finished:
-            error = None
-            if jreq.state != "done" and jreq.state != "cancelled":
-                code = "deadline_exceeded" if jreq.state == "expired" else "failed"
-                error = (504 if jreq.state == "expired" else 503, code, jreq.error or "")
-            reason = "cancelled" if jreq.state == "cancelled" else jreq.finish_reason
-            rec.finish(reason if error is None else None, error=error)
+        if jreq.finished:  # read back as it ended (this record is not in the request table)
+            message = jreq.error or ""
+            if jreq.state == "expired":
+                end = Outcome("expired", "deadline_exceeded", message)
+            elif jreq.state == "failed":
+                end = Outcome.failed("failed", message)
+            elif jreq.state == "cancelled":
+                end = Outcome("cancelled", finish_reason="cancelled")
+            else:
+                end = Outcome.done(jreq.finish_reason)
+            rec.end(end)
         return rec
 
     def _reconcile_sessions(self) -> None:
@@ -599,8 +603,7 @@ class DaemonJournal:
                 self.store.finish(req.id, "failed", error=f"could not be re-queued after a "
                                   f"restart: {exc}")
                 continue
-            rec.on_finish = self.finished
-            d.records[job.id] = rec
+            d.requests.add(rec)
             if rec.request.session is not None:
                 d.sessions.claim(rec.request.session, job.id)
             svc.poke()

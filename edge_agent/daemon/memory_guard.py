@@ -101,7 +101,7 @@ class MemoryGuard:
     def __init__(self, cfg: CgroupConfig, *, env: Mapping[str, str],
                  models: Callable[[], Mapping[str, GuardedModel]],
                  queued: Callable[[str], int],
-                 shed: Callable[[RequestRecord, float, str], None],
+                 shed: Callable[[RequestRecord, float, str], object],
                  stopping: Callable[[], bool],
                  record_event: Callable[[str, str], None],
                  io_factory: Callable[[], CgroupIO] = CgroupIO) -> None:

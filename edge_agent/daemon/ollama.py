@@ -37,7 +37,7 @@ from edge_agent.daemon import structured
 from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
-from edge_agent.protocol.api import ApiError
+from edge_agent.protocol.api import ApiError, end_error
 from edge_agent.protocol.ollama import (
     API_VERSION,
     FOREVER_EPOCH,
@@ -271,8 +271,9 @@ class OllamaRoutes:
         finally:
             if not rec.done.is_set():  # the client hung up: the transport cancelled us
                 self.d.cancel(rec.id, why="client disconnected")
-        if rec.error is not None:
-            raise ApiError(*rec.error)
+        end = rec.outcome
+        if end is not None and end.code is not None:
+            raise end_error(end.code, end.message)
         calls = self._tool_calls(rec)
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
                                 text="" if calls else rec.text,
@@ -307,8 +308,9 @@ class OllamaRoutes:
                 if piece and not held:
                     yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
                                        text=piece))
-            if rec.error is not None:
-                yield ndjson({"error": rec.error[2]})
+            end = rec.outcome
+            if end is not None and end.code is not None:
+                yield ndjson({"error": end.message})
             else:
                 calls = self._tool_calls(rec) if held else None
                 if calls or (held and rec.text):

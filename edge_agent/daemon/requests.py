@@ -19,8 +19,10 @@ Invariants owned here:
   starts at or after the cut. `piece_logprobs[k]` is how many entries were released when
   piece k was appended, so a stream sends with each piece the entries released with it, and
   the entries of a stream are those of the non-streamed reply.
-- `finish()` happens once; afterwards the record never changes and `done` is set. Waiters are
-  woken through one `asyncio.Condition`-like version counter (no lost wake-ups).
+- `push` only says that the output reached its end (`ended`: "stop" or "length"); the
+  request ends in daemon/request_table.py's `RequestTable.finish`, which calls `end(outcome)`
+  once; afterwards the record never changes and `done` is set. Waiters are woken through one
+  `asyncio.Condition`-like version counter (no lost wake-ups).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from edge_agent.daemon.outcome import Outcome
 from edge_agent.protocol.api import GenerationRequest
 from edge_agent.runtime.stops import StopText
 from edge_agent.scheduler import Job
@@ -61,18 +64,20 @@ class RequestRecord:
         self.text = ""  # released text
         self.replay = 0  # generated-token index of the current attempt
         self.attempt_start = 0  # len(tokens) when the current attempt began
-        self.finish_reason: str | None = None
-        self.error: tuple[int, str, str] | None = None  # (http status, code, message)
-        self.extra: dict[str, Any] = {}
+        self.ended: str | None = None  # the output reached its end: "stop" | "length"
+        self.outcome: Outcome | None = None  # how the request ended (RequestTable.finish)
         self.done = asyncio.Event()
         self.first_token_at: float | None = None
         self.submitted_mono = time.monotonic()
         self._changed = asyncio.Event()
-        self.on_finish: Any = None  # called once with this record when it finishes (journal)
 
     @property
     def id(self) -> str:
         return self.job.id
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.outcome is None else self.outcome.finish_reason
 
     # -- producer side (the model service) ---------------------------------------------------
     def restart(self) -> None:
@@ -82,8 +87,9 @@ class RequestRecord:
 
     def push(self, token: int, logprobs: Any = None) -> bool:
         """Route one generated token (with the runner's `[logprob, [[id, logprob], ...]]` when
-        the request asked for them); True when the request is complete."""
-        if self.done.is_set():
+        the request asked for them); True when the output is complete (`ended` says why; the
+        caller ends the request)."""
+        if self.done.is_set() or self.ended is not None:
             return True
         index = self.replay
         self.replay += 1
@@ -92,7 +98,7 @@ class RequestRecord:
         if token in self.stop_ids:
             out = self.stops.end(self.decoder.flush())
             self._release(out, final=not self.stops.stopped)
-            self.finish("stop")
+            self.ended = "stop"
             return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
@@ -106,11 +112,11 @@ class RequestRecord:
             out += self.stops.end(self.decoder.flush())
             if not self.stops.stopped:
                 self._release(out, final=True)
-                self.finish("length")
+                self.ended = "length"
                 return True
         self._release(out)
         if self.stops.stopped:
-            self.finish("stop")
+            self.ended = "stop"
         return self.stops.stopped
 
     def _release(self, out: str, *, final: bool = False) -> None:
@@ -147,16 +153,12 @@ class RequestRecord:
                         () if lp is None else lp[1], self.starts[i]))
         return out
 
-    def finish(self, reason: str | None, error: tuple[int, str, str] | None = None,
-               **extra: Any) -> None:
+    def end(self, outcome: Outcome) -> None:
+        """Set how the request ended and wake the waiters (RequestTable.finish calls this)."""
         if self.done.is_set():
             return
-        self.finish_reason = reason
-        self.error = error
-        self.extra.update(extra)
+        self.outcome = outcome
         self.done.set()
-        if self.on_finish is not None:
-            self.on_finish(self)
         self._notify()
 
     def _notify(self) -> None:
@@ -189,7 +191,7 @@ class RequestRecord:
             "completion_tokens": len(self.tokens),
             "text": self.text, "finish_reason": self.finish_reason,
             "queued_s": round(job.queued_s(now), 6), "ran_s": round(job.running_s(now), 6),
-            "error": None if self.error is None else {"code": self.error[1],
-                                                       "message": self.error[2]},
+            "error": None if self.outcome is None or self.outcome.code is None else {
+                "code": self.outcome.code, "message": self.outcome.message},
         }
         return out

@@ -30,6 +30,7 @@ from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError, ServiceError
 from edge_agent.protocol.api import (
+    END_STATUS,
     MAX_TOKENS_LIMIT,
     SSE_DONE,
     ApiError,
@@ -39,6 +40,7 @@ from edge_agent.protocol.api import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    end_error,
     parse_detokenize,
     parse_generation,
     parse_tokenize,
@@ -267,11 +269,10 @@ class Router:
             default_model=d.config.default_model, tokenizer=d._tokenizer))
 
     def _final(self, rec: RequestRecord) -> Response:
-        if rec.error is not None:
-            status, code, message = rec.error
-            extra = {k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}
-            return Response(status, ApiError(status, code, message,
-                                             extra={"id": rec.id, **extra}).body())
+        end = rec.outcome
+        if end is not None and end.code is not None:
+            err = end_error(end.code, end.message, {"id": rec.id, **end.extra()})
+            return Response(err.status, err.body())
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
             text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
@@ -304,11 +305,10 @@ class Router:
                         logprobs=self._logprobs(rec, sent, upto), **common))
                     first = False
                     sent = upto
-            if rec.error is not None:
-                status, code, message = rec.error
-                extra = {"status": status, "id": rec.id,
-                         **{k: v for k, v in rec.extra.items() if k in ("queued_s", "ran_s")}}
-                yield sse_event(json.loads(ApiError(status, code, message, extra=extra).body()))
+            end = rec.outcome
+            if end is not None and end.code is not None:
+                extra = {"status": END_STATUS[end.code], "id": rec.id, **end.extra()}
+                yield sse_event(json.loads(end_error(end.code, end.message, extra).body()))
             else:
                 yield sse_event(completion_chunk(
                     text=None, finish_reason=rec.finish_reason, first=first,

@@ -54,6 +54,7 @@ from edge_agent.daemon.ipc import (
     Step,
     StepResult,
 )
+from edge_agent.daemon.outcome import EndCode, Outcome
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
 from edge_agent.errors import EdgeAgentError
@@ -505,7 +506,7 @@ class ModelService:
             rec = self.active.pop(jid, None)
             self.to_release.append(jid)
             if rec is not None:
-                self.daemon.fail_record(rec, now, 500, "runner_error", message)
+                self.daemon.requests.finish(jid, Outcome.failed("runner_error", message), now)
         logprobs = reply.logprobs
         for jid, token in reply.tokens.items():
             rec = self.active.get(jid)
@@ -521,7 +522,7 @@ class ModelService:
             if finished:
                 del self.active[jid]
                 self.to_release.append(jid)
-                self.daemon.complete_record(rec, now)
+                self.daemon.requests.finish(jid, Outcome.done(rec.ended or "stop"), now)
 
     async def _drain_inflight(self) -> None:
         """Wait for the in-flight step and take in its reply (no new message is sent)."""
@@ -650,12 +651,10 @@ class ModelService:
             now = time.monotonic()
             self.lifecycle.fail(now, reason)
             self.daemon.journal.model_failed(self.name, reason)
-            code = "budget_exceeded" if isinstance(exc, BudgetExceeded) else "model_failed"
+            code: EndCode = ("budget_exceeded" if isinstance(exc, BudgetExceeded)
+                             else "model_failed")
             for job in sched.fail_queued(self.name, now, reason):
-                rec = self.daemon.records.get(job.id)
-                if rec is not None:
-                    rec.finish(None, error=(503, code, reason))
-                    self.daemon.metrics.request_done(rec, "failed")
+                self.daemon.requests.finish(job.id, Outcome.failed(code, reason), now)
             self.daemon.metrics.model_event(self.name, "load_failed")
             self.daemon.model_settled(self)
             return
@@ -714,8 +713,8 @@ class ModelService:
             if rec is None:
                 continue
             if job.state is JobState.FAILED:
-                rec.finish(None, error=(503, "runner_failed", job.error or reason))
-                self.daemon.metrics.request_done(rec, "failed")
+                self.daemon.requests.finish(job.id, Outcome.failed(
+                    "runner_failed", job.error or reason), now)
             else:
                 rec.restart()
         self.runner = None

@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from edge_agent.daemon.requests import RequestRecord
     from edge_agent.scheduler import ModelLifecycle
 
-__all__ = ["DaemonBackend", "ConsoleModel", "Uarts", "UART_CODES", "backend_error",
-           "serial_ports"]
+__all__ = ["DaemonBackend", "ConsoleModel", "Uarts", "UART_CODES", "UART_END_CODES",
+           "backend_error", "serial_ports"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,19 @@ UART_CODES: dict[type[ServiceError], str] = {
     ShuttingDown: "shutting_down",
     AdmissionRefused: "memory_pressure",
     ModelNotFound: "model_not_found",
+}
+
+# The UART error code of each code a request can end with (daemon/outcome.py's EndCode; the
+# same words as the HTTP API's `code`, whose status is protocol/api.py's END_STATUS).
+UART_END_CODES: dict[str, str] = {
+    "deadline_exceeded": "deadline_exceeded",
+    "memory_pressure": "memory_pressure",
+    "shutting_down": "shutting_down",
+    "runner_error": "runner_error",
+    "runner_failed": "runner_failed",
+    "model_failed": "model_failed",
+    "budget_exceeded": "budget_exceeded",
+    "failed": "failed",
 }
 
 
@@ -162,9 +175,9 @@ class DaemonBackend:
             return
         async for index, piece in rec.follow(from_index):
             yield Token(index, piece)
-        if rec.error is not None:
-            _, code, message = rec.error
-            yield Failed(code, message)
+        end = rec.outcome
+        if end is not None and end.code is not None:
+            yield Failed(UART_END_CODES[end.code], end.message)
         else:
             yield Done(rec.finish_reason or "stop", len(rec.tokens))
 

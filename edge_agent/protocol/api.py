@@ -53,6 +53,8 @@ from edge_agent.scheduler.jobs import MAX_PRIORITY, MIN_PRIORITY
 __all__ = [
     "ApiError",
     "HTTP_ERRORS",
+    "END_STATUS",
+    "end_error",
     "api_error",
     "ChatMessage",
     "DetokenizeRequest",
@@ -150,6 +152,25 @@ HTTP_ERRORS: dict[type[ServiceError], tuple[int, str]] = {
     BoardProfileError: (400, "invalid_request"),
     UploadFailed: (507, "upload_failed"),
 }
+
+
+# The HTTP status of each code a request can end with (daemon/outcome.py's EndCode; the code
+# is the error body's `code`); daemon/uart_backend.py's UART_END_CODES is the UART counterpart.
+END_STATUS: dict[str, int] = {
+    "deadline_exceeded": 504,
+    "memory_pressure": 503,
+    "shutting_down": 503,
+    "runner_error": 500,
+    "runner_failed": 503,
+    "model_failed": 503,
+    "budget_exceeded": 503,
+    "failed": 503,  # a failed request read back from the journal (its code is not kept)
+}
+
+
+def end_error(code: str, message: str, extra: Mapping[str, Any] | None = None) -> ApiError:
+    """The HTTP answer to a request that ended with error `code` (status from END_STATUS)."""
+    return ApiError(END_STATUS[code], code, message, extra=extra)
 
 
 def api_error(exc: ServiceError) -> ApiError:
