@@ -11,7 +11,8 @@ the tests that do not use it never wait for it.
 
 Invariants: the build lives in $EDGE_AGENT_CACHE (default ~/.cache/edge-agent)/llama-aarch64/
 llama-cpp-python-<version>-<hash>/, where <hash> covers the version, the CMake flags, both cross
-compilers' `--version` and this file; change any of them and the next run rebuilds, a warm run
+compilers' `--version`, the toolchain file and the build steps' code; change any of them and the
+next run rebuilds (a comment elsewhere in this file does not), a warm run
 only hashes (~0.1 s). Nothing is downloaded at build time but the sdist (kept in the same
 cache): curl, tools, tests, examples, server and web UI are off. The libraries carry RPATH
 $ORIGIN and the SONAME links, so ctypes' `lib/libllama.so` finds `libggml*.so.0` beside it.
@@ -26,6 +27,7 @@ NEON kernels with SDOT are what a Q4_1/Q8_0 matrix product runs on such a board.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -114,8 +116,11 @@ def toolchain_versions() -> list[str]:
 
 
 def _inputs_key() -> str:
-    return cache.inputs_hash([Path(__file__).resolve()],
-                             [VERSION, ARM_ARCH, *CMAKE_ARGS, *toolchain_versions()])
+    # what decides the bytes built: the pinned version, the flags, the toolchain and the build
+    # steps' own code (not this whole file, so a comment elsewhere does not cost a rebuild)
+    steps = [inspect.getsource(f) for f in (_build, _run, _ninja_with_progress)]
+    return cache.inputs_hash([], [VERSION, ARM_ARCH, *CMAKE_ARGS, TOOLCHAIN_FILE, *steps,
+                                  *toolchain_versions()])
 
 
 def _sdist() -> Path:
@@ -153,18 +158,18 @@ def _ninja_with_progress(build: Path, log_path: Path, jobs: int) -> None:
     cmd = ["nice", "-n", "10", _tool("ninja"), "-C", str(build), f"-j{jobs}", "llama"]
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert proc.stdout is not None
-        last = time.monotonic()
-        t0 = last
-        for line in proc.stdout:
-            log.write(line)
-            m = re.match(rb"\[(\d+)/(\d+)\]", line)
-            if m and time.monotonic() - last > 30:
-                last = time.monotonic()
-                cache.log(f"llama.cpp aarch64: {m.group(1).decode()}/{m.group(2).decode()} "
-                          f"steps, {last - t0:.0f} s")
-        rc = proc.wait()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+            assert proc.stdout is not None
+            last = time.monotonic()
+            t0 = last
+            for line in proc.stdout:
+                log.write(line)
+                m = re.match(rb"\[(\d+)/(\d+)\]", line)
+                if m and time.monotonic() - last > 30:
+                    last = time.monotonic()
+                    cache.log(f"llama.cpp aarch64: {m.group(1).decode()}/"
+                              f"{m.group(2).decode()} steps, {last - t0:.0f} s")
+            rc = proc.wait()  # the with block closes the pipe (no fd left for the GC)
     if rc != 0:
         tail = log_path.read_bytes()[-2500:].decode("utf-8", "replace")
         raise HarnessError(f"ninja llama (aarch64): exited {rc}. Log tail: {tail}. Hint: the "
