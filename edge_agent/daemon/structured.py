@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.runtime.chat_template import GGUFChatTemplate
 from edge_agent.runtime.constrain import check_grammar, json_grammar, tool_call_grammar
 
 __all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "parse_tool_calls", "tool_calls"]
@@ -54,10 +55,10 @@ def _offered(req: GenerationRequest) -> list[dict[str, Any]]:
 
 def _native(tok: Any) -> tuple[bool, bool]:
     """(the chat template renders tools, its calls are <tool_call> blocks)."""
-    template = getattr(tok, "chat_template", None)
-    render = getattr(template, "render", None)
-    if template is None or render is None or not hasattr(template, "tool_use_template"):
-        return False, False  # the numpy engine's ChatML: no tools
+    template = tok.chat_template
+    if not isinstance(template, GGUFChatTemplate):
+        return False, False  # none, or the numpy engine's ChatML: tools go in a system message
+    render = template.render
     probe = [{"role": "user", "content": "x"}]
     tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
     try:
