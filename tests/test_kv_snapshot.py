@@ -12,6 +12,10 @@ daemon on the same state dir: the next turn reports cached prompt tokens.
 
 from __future__ import annotations
 
+import shutil
+import sqlite3
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +117,71 @@ def test_a_blob_for_another_model_or_other_tokens_is_refused(
         assert not c.restore(prompt + reply, blob)  # another context per sequence
     finally:
         c.close()
+
+
+# ---- the daemon --------------------------------------------------------------------------------
+
+def _client(sock: Path) -> object:
+    import openai
+
+    try:
+        import httpx2 as httpx  # the HTTP library of openai 3
+    except ImportError:
+        import httpx
+    transport = httpx.HTTPTransport(uds=str(sock))
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
+                         timeout=240, http_client=openai.DefaultHttpxClient(transport=transport))
+
+
+def _snapshots(db: Path) -> list[tuple[str, int, int]]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT session, n_tokens, bytes FROM kv_snapshots").fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_a_sessions_cache_survives_a_daemon_restart() -> None:
+    from daemon_proc import Daemon, daemon_env, serve_argv, spawn, stop
+
+    root = Path(tempfile.mkdtemp(prefix="ea-kv-", dir="/tmp"))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        "drain_timeout_s = 5\n"
+        '[runtime]\nmlock = "best-effort"\nengine = "llamacpp"\nthreads = 2\n'
+        "[models.smollm2]\ncontext = 2048\nmax_batch = 2\npreload = true\n"
+    )
+    story = _text("the lighthouse keeper", 70)
+    d = spawn(Daemon, root, serve_argv(cfg), env=daemon_env(root))
+    try:
+        d.wait_notify("READY=1", 180.0)
+        client = _client(d.sock)
+        one = client.chat.completions.create(  # type: ignore[attr-defined]
+            model="smollm2", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": f"{story}\nSummarise."}],
+            extra_body={"session": "kv-1"})
+        client.close()  # type: ignore[attr-defined]
+        db = next((root / "state").rglob("journal.sqlite3"))
+        end = time.monotonic() + 60
+        while not _snapshots(db):  # taken when the model is idle, after the reply
+            assert time.monotonic() < end, "no KV snapshot was journaled"
+            time.sleep(0.2)
+        assert stop(d, grace=60.0) == 0  # SIGTERM
+        [(sid, n, size)] = _snapshots(db)
+        assert sid == "kv-1" and n == one.usage.prompt_tokens // BATCH_TOKENS * BATCH_TOKENS
+        print(f"\nKV snapshot: {n} tokens, {size} bytes ({size * 1000 // n} bytes per 1,000)")
+        d = spawn(Daemon, root, serve_argv(cfg), env=daemon_env(root), append_log=True)
+        d.wait_notify("READY=1", 180.0)
+        client = _client(d.sock)
+        two = client.chat.completions.create(  # type: ignore[attr-defined]
+            model="smollm2", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "Shorter, please."}],
+            extra_body={"session": "kv-1"})
+        client.close()  # type: ignore[attr-defined]
+        assert two.usage.prompt_tokens > one.usage.prompt_tokens
+        assert two.usage.prompt_tokens_details.cached_tokens == n > 0
+    finally:
+        stop(d, grace=30.0)
+        shutil.rmtree(root, ignore_errors=True)

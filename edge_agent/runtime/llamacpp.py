@@ -75,7 +75,8 @@ from edge_agent.runtime.llama_vocab import (
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs, sample_rows_with_logprobs
 
-__all__ = ["LlamaCppEngine", "LlamaCppError", "common_prefix", "default_threads"]
+__all__ = ["LlamaCppEngine", "LlamaCppError", "common_prefix", "default_threads",
+           "snapshot_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,12 @@ def _snapshot_head(blob: bytes) -> tuple[dict[str, Any], bytes] | None:
     if not isinstance(meta, dict):
         return None
     return meta, blob[at + 4 + size:]
+
+
+def snapshot_tokens(blob: bytes) -> int:
+    """How many leading tokens a `LlamaCppEngine.snapshot` blob holds (0: not a snapshot)."""
+    head = _snapshot_head(blob)
+    return 0 if head is None else int(head[0].get("tokens", 0))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
