@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.journal.store import JournalStore
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams
@@ -104,19 +105,38 @@ def test_a_blob_for_another_model_or_other_tokens_is_refused(
     g = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2)
     try:
         assert not g.restore(prompt + reply, blob)
-        assert g.free_blocks == 2 and not g._held
+        assert g.free_blocks == 2
     finally:
         g.close()
     other = list(prompt)
     other[3] = other[4]
     assert not b.restore(other, blob)  # another session's tokens
     assert not b.restore(prompt + reply, b"not a snapshot")
-    assert not b._held
+    _, cached = _turn(b, "t3", prompt + reply + b.tokenizer.encode(" Again."), n=1)
+    assert cached == 0  # nothing was loaded
     c = LlamaCppEngine.load(default_model_path(), max_batch=2, context=1024, threads=2)
     try:
         assert not c.restore(prompt + reply, blob)  # another context per sequence
     finally:
         c.close()
+
+
+# ---- the journal -------------------------------------------------------------------------------
+
+def test_the_journal_keeps_the_newest_snapshots_within_the_bound(store: JournalStore) -> None:
+    for k, sid in enumerate(["s1", "s2", "s3"]):
+        store.save_session(sid, "m", [1, 2, 3], now=float(k))
+        assert store.save_kv_snapshot(sid, "m", [1, 2], "id", bytes(40), max_bytes=100,
+                                      now=float(k)) == (1 if sid == "s3" else 0)
+    assert [(sid, toks) for sid, toks, _ in store.kv_snapshots("m", 8)] == [
+        ("s3", [1, 2]), ("s2", [1, 2])]  # newest first; s1 dropped for the bound
+    assert store.kv_snapshots("other", 8) == [] and len(store.kv_snapshots("m", 1)) == 1
+    store.save_kv_snapshot("s2", "m", [1, 2, 3], "id", bytes(30), max_bytes=100, now=5.0)
+    assert [sid for sid, _, _ in store.kv_snapshots("m", 8)] == ["s2", "s3"]  # replaced
+    assert store.delete_session("s2")  # DELETE /v1/sessions/s2
+    assert [sid for sid, _, _ in store.kv_snapshots("m", 8)] == ["s3"]
+    assert store.prune(session_max_age_s=1.0, now=10.0).sessions == 2
+    assert store.kv_snapshots("m", 8) == []  # went with its session
 
 
 # ---- the daemon --------------------------------------------------------------------------------

@@ -172,7 +172,8 @@ def _embed(engine: EngineLike, msg: Embed) -> Embedded:
 def _snapshot(engine: EngineLike, msg: Snapshot) -> SnapshotData:
     take = getattr(engine, "snapshot", None)  # the llama.cpp engine's; numpy has none
     blob = take(list(msg.tokens)) if take is not None else None
-    if not blob or len(blob) * 4 // 3 + 4096 > MAX_FRAME:  # base64 must fit one frame
+    # base64 must fit one frame (the Restore that brings it back carries the tokens too)
+    if not blob or len(blob) * 4 // 3 + (1 << 20) > MAX_FRAME:
         return SnapshotData()
     from edge_agent.runtime.llamacpp import snapshot_tokens
 
