@@ -121,6 +121,31 @@ def test_a_blob_for_another_model_or_other_tokens_is_refused(
         c.close()
 
 
+def test_a_sliding_window_model_restores_every_held_cell(gemma_path: Path) -> None:
+    """Gemma 3 (not batch-invariant, sliding-window layers): the snapshot keeps every held
+    cell, and the restored slot serves the next turn as the slot the turn left would."""
+    a = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2)
+    b = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2)
+    try:
+        # the mode the warm-up's probe picks for Gemma 3 (set directly, as a 2-slot probe
+        # may not see it; tests/test_prompt_cache.py does the same)
+        a.exact_reuse = b.exact_reuse = False
+        prompt = a.tokenizer.encode(_text("the orchard", 20))
+        reply, _ = _turn(a, "g1", prompt)
+        history = prompt + reply
+        blob = a.snapshot(history)
+        assert blob is not None
+        nxt = history + a.tokenizer.encode(" Shorter, please.")
+        assert b.restore(history, blob)
+        warm, cached = _turn(b, "g2", nxt)
+        live, live_cached = _turn(a, "g3", nxt)  # the slot the turn left, never restarted
+        assert cached == live_cached == len(history) - 1  # prompt + fed tokens
+        assert warm == live
+    finally:
+        b.close()
+        a.close()
+
+
 # ---- the journal -------------------------------------------------------------------------------
 
 def test_the_journal_keeps_the_newest_snapshots_within_the_bound(store: JournalStore) -> None:
