@@ -25,7 +25,11 @@ from edge_agent.daemon.ipc import (
     Pong,
     Progress,
     Ready,
+    Restore,
+    Restored,
     Shutdown,
+    Snapshot,
+    SnapshotData,
     Status,
     Step,
     StepResult,
@@ -54,6 +58,11 @@ MESSAGES: list[Any] = [
     Embedded(error="this model computes no embeddings"),
     Pong(free_blocks=4),
     ErrorReply(error="unknown op"),
+    Snapshot(tokens=(1, 2, 3)),
+    SnapshotData(data=b"EAKV1\n\x00", tokens=512, identity="llama 135M|ctx=2048"),
+    SnapshotData(),
+    Restore(tokens=(1, 2), data=b"\x01\x02"),
+    Restored(ok=True),
 ]
 
 

@@ -213,7 +213,7 @@ def test_migration_2_marks_the_turns_the_old_start_put_back(tmp_path: Path) -> N
                 (rid, session, state, fin))
     store.close()
     store = JournalStore(open_journal(path))
-    assert store.journal.schema_version == MIGRATIONS.latest == 2
+    assert store.journal.schema_version == MIGRATIONS.latest == 3
     assert store.pending_turns() == ["t-behind", "t-nosession-row"]
     names = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master WHERE type = "
                                               "'index'")}

@@ -31,7 +31,7 @@ from edge_agent.errors import EdgeAgentError
 __all__ = ["MAX_FRAME", "RunnerGone", "encode_frame", "read_frame", "recv_frame", "send_frame",
            "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown",
            "Status", "Progress", "Failed", "Ready", "StepResult", "Embedded", "Pong",
-           "ErrorReply", "TokenLogprob"]
+           "ErrorReply", "TokenLogprob", "Snapshot", "SnapshotData", "Restore", "Restored"]
 
 MAX_FRAME = 64 << 20
 _LEN = struct.Struct(">I")
@@ -119,6 +119,21 @@ class Embed:
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """The KV state of the free slot holding a prefix of `tokens` (a finished session turn)."""
+
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Load a `SnapshotData.data` blob into a free slot, as holding the first of `tokens`."""
+
+    tokens: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 
@@ -182,6 +197,21 @@ class Embedded:
 
 
 @dataclass(frozen=True)
+class SnapshotData:
+    """An engine blob (empty: nothing worth keeping, or an engine without snapshots) holding
+    the KV of the first `tokens` ids, for the engine `identity` (model and context)."""
+
+    data: bytes = b""
+    tokens: int = 0
+    identity: str = ""
+
+
+@dataclass(frozen=True)
+class Restored:
+    ok: bool
+
+
+@dataclass(frozen=True)
 class Pong:
     free_blocks: int | None
 
@@ -192,11 +222,13 @@ class ErrorReply:
 
 
 Message = (AddSeq | Step | Embed | Ping | Shutdown | Status | Progress | Failed | Ready
-           | StepResult | Embedded | Pong | ErrorReply)
+           | StepResult | Embedded | Pong | ErrorReply | Snapshot | SnapshotData | Restore
+           | Restored)
 _OPS: dict[str, type[Any]] = {
     "step": Step, "embed": Embed, "ping": Ping, "shutdown": Shutdown, "status": Status,
     "progress": Progress, "failed": Failed, "ready": Ready, "result": StepResult,
-    "embedded": Embedded, "pong": Pong, "error": ErrorReply,
+    "embedded": Embedded, "pong": Pong, "error": ErrorReply, "snapshot": Snapshot,
+    "snapshot_data": SnapshotData, "restore": Restore, "restored": Restored,
 }
 _NAMES = {cls: op for op, cls in _OPS.items()}
 

@@ -18,6 +18,10 @@ Invariants owned here:
 - An `embed` message (token-id lists) is answered with one L2-normalized vector per list,
   float32 little-endian, base64 (`embedded`), or the engine's refusal in `error`; it runs in
   the engine's embedding context, between two steps, and changes no sequence.
+- A `snapshot` message (a finished session turn's tokens) is answered with the KV state of
+  the free slot holding a prefix of them (`snapshot_data`, empty when none or on an engine
+  without snapshots); a `restore` loads such a blob into an empty free slot (`restored`).
+  Both run between steps and change no running sequence.
 - Exactly one reply per request message; a per-sequence failure (e.g. KV blocks exhausted) is
   reported in `errors` for that sequence and does not stop the others.
 - Load failures are reported as `Failed` (ipc.py) and the process exits 1; the
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.daemon.ipc import (
+    MAX_FRAME,
     AddSeq,
     Embed,
     Embedded,
@@ -48,7 +53,11 @@ from edge_agent.daemon.ipc import (
     Pong,
     Progress,
     Ready,
+    Restore,
+    Restored,
     Shutdown,
+    Snapshot,
+    SnapshotData,
     Status,
     Step,
     StepResult,
@@ -160,6 +169,24 @@ def _embed(engine: EngineLike, msg: Embed) -> Embedded:
                     embed_s=time.perf_counter() - t0)
 
 
+def _snapshot(engine: EngineLike, msg: Snapshot) -> SnapshotData:
+    take = getattr(engine, "snapshot", None)  # the llama.cpp engine's; numpy has none
+    blob = take(list(msg.tokens)) if take is not None else None
+    # base64 must fit one frame (the Restore that brings it back carries the tokens too)
+    if not blob or len(blob) * 4 // 3 + (1 << 20) > MAX_FRAME:
+        return SnapshotData()
+    from edge_agent.runtime.llamacpp import snapshot_tokens
+
+    identity = getattr(engine, "identity", None)
+    return SnapshotData(data=blob, tokens=snapshot_tokens(blob),
+                        identity=str(identity()) if identity is not None else "")
+
+
+def _restore(engine: EngineLike, msg: Restore) -> Restored:
+    load = getattr(engine, "restore", None)
+    return Restored(ok=bool(load is not None and load(list(msg.tokens), msg.data)))
+
+
 def _send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
@@ -170,6 +197,10 @@ def _answer(engine: EngineLike, msg: Message) -> Message | None:
         return _step(engine, msg)
     if isinstance(msg, Embed):
         return _embed(engine, msg)
+    if isinstance(msg, Snapshot):
+        return _snapshot(engine, msg)
+    if isinstance(msg, Restore):
+        return _restore(engine, msg)
     if isinstance(msg, Ping):
         return Pong(free_blocks=engine.free_blocks)
     if isinstance(msg, Shutdown):

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,11 @@ from edge_agent.daemon.ipc import (
     Embedded,
     Message,
     Progress,
+    Restore,
+    Restored,
     RunnerGone,
+    Snapshot,
+    SnapshotData,
     Status,
     Step,
     StepResult,
@@ -58,6 +63,7 @@ from edge_agent.daemon.outcome import EndCode, Outcome
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
 from edge_agent.errors import EdgeAgentError
+from edge_agent.journal import JournalError
 from edge_agent.scheduler import (
     RUNNER_BASE_BYTES,
     BudgetExceeded,
@@ -79,6 +85,7 @@ log = logging.getLogger(__name__)
 EVICT_WAIT_S = 60.0  # how long a load waits for the models it evicts to unload
 EVICT_ROUNDS = 3
 EMBED_MSG_TOKENS = 512  # input tokens of one `embed` runner message (more inputs: more messages)
+KV_SNAPSHOT_BYTES = 256 << 20  # KV snapshots kept in the journal, all models (newest first)
 EMBED_ATTEMPTS = 2  # runs of an embedding request's remaining messages (a runner death: one more)
 
 
@@ -104,6 +111,7 @@ class ModelService:
         self.runner: RunnerHandle | None = None
         self.active: dict[str, RequestRecord] = {}
         self.to_release: list[str] = []
+        self.to_snapshot: dict[str, list[int]] = {}  # session -> tokens of its finished turn
         self.wake = asyncio.Event()
         self.load_requested = bool(entry.preload)
         self.unload_requested = False
@@ -425,6 +433,9 @@ class ModelService:
             if self.embeds:  # an embedding request uses the runner: in use, not idle
                 await self._wait(self.daemon.wait_timeout(now))
                 return
+            if self.to_snapshot:  # the turns' slots are released and idle: keep their KV
+                await self._take_snapshots()
+                return
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
             if self.unload_requested or self.daemon.stopping or self.lifecycle.should_unload(
@@ -668,10 +679,53 @@ class ModelService:
         self.context = ready.context
         if ready.stop_ids:
             self.stop_ids = frozenset(ready.stop_ids)
+        await self._restore_snapshots()
         self.lifecycle.ready(now, busy=sched.queued(self.name) > 0)
         self.daemon.journal.model_loaded(self.name, self.path(), ready, self.tokenizer)
         self.daemon.metrics.model_event(self.name, "load")
         self.daemon.model_settled(self)
+
+    async def _take_snapshots(self) -> None:
+        """Journal the KV of the slots the finished session turns released (between steps:
+        this loop sends nothing else meanwhile), so a restart restores them."""
+        store, runner = self.daemon.journal.store, self.runner
+        todo, self.to_snapshot = self.to_snapshot, {}
+        if store is None or runner is None:
+            return
+        for sid, tokens in todo.items():
+            try:
+                reply = await runner.call(Snapshot(tokens=tuple(tokens)))
+            except RunnerGone:
+                return
+            if not isinstance(reply, SnapshotData) or not reply.data:
+                continue
+            try:
+                store.save_kv_snapshot(sid, self.name, tokens[:reply.tokens], reply.identity,
+                                       reply.data, max_bytes=KV_SNAPSHOT_BYTES)
+            except (JournalError, sqlite3.Error) as exc:
+                log.warning(f"journal: session {sid}: could not keep its KV snapshot: {exc}")
+
+    async def _restore_snapshots(self) -> None:
+        """Load the newest sessions' KV snapshots into the fresh runner's free slots (at most
+        max_batch, oldest first, so the newest is evicted last); a refused one is dropped."""
+        store, runner = self.daemon.journal.store, self.runner
+        if store is None or runner is None or self.engine != "llamacpp":
+            return
+        try:
+            snaps = store.kv_snapshots(self.name, self.max_batch)
+        except (JournalError, sqlite3.Error) as exc:
+            log.warning(f"journal: model {self.name}: could not read KV snapshots: {exc}")
+            return
+        restored = 0
+        for _sid, tokens, blob in reversed(snaps):
+            try:
+                reply = await runner.call(Restore(tokens=tuple(tokens), data=blob))
+            except RunnerGone:
+                return
+            restored += isinstance(reply, Restored) and reply.ok
+        if snaps:
+            log.info(f"model {self.name}: restored {restored} of {len(snaps)} session KV "
+                     "snapshot(s) into the prompt cache")
 
     async def _unload(self, why: str) -> None:
         now = time.monotonic()

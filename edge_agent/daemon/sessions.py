@@ -143,6 +143,11 @@ class Sessions:
             store.save_session(sid, rec.model, history, turn=rec.id)
         except JournalError as exc:
             log.warning(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
+            return
+        svc = self.daemon.services.get(rec.model)
+        if svc is not None and svc.engine == "llamacpp":  # its prompt cache survives a restart
+            svc.to_snapshot[sid] = history
+            svc.poke()
 
     def _turn_end(self, model: str) -> list[int]:
         return list(self.daemon.services[model].ensure_tokenizer().turn_end_ids())

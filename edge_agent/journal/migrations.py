@@ -23,6 +23,10 @@ Invariants this module owns:
   rows (`requests_session_pending`) and only the queued/running ones (`requests_open`), so a
   start finds what to resume and the turns to put back without reading finished requests.
   Queries must repeat the index's WHERE with literals (a `?` cannot prove it).
+- Migration 3 (a session's prompt cache across a restart): `kv_snapshots` holds, per
+  session, the llama.cpp KV state of its last turn's slot (`data`, an engine blob that names
+  the model and context it fits), the `n_tokens` ids it holds (`tokens`, little-endian
+  int32), the engine's `identity` and the blob's `bytes`; newest first by `created_at`.
 - `schema_problems(conn, version)`: a file at user_version N holds exactly the tables, columns
   and indexes migrations 1..N create (SQLite's own `sqlite_*` objects aside); anything else
   (a table or column missing or unknown, a user_version that does not match the tables) is
@@ -229,3 +233,14 @@ def warm_start_indexes(db: sqlite_utils.Database) -> None:
     # seen that most rows are finished (the planner then scans the whole table)
     db.execute("CREATE INDEX requests_open ON requests (created_at) "
                "WHERE state IN ('queued', 'running')")
+
+
+@MIGRATIONS(3)
+def kv_snapshots(db: sqlite_utils.Database) -> None:
+    db.table("kv_snapshots").create(
+        {"session": str, "model": str, "tokens": bytes, "n_tokens": int, "identity": str,
+         "data": bytes, "bytes": int, "created_at": float},
+        pk="session", not_null={"model", "tokens", "identity", "data", "created_at"},
+        defaults={"n_tokens": 0, "bytes": 0},
+    )
+    db.table("kv_snapshots").create_index(["created_at"], index_name="kv_snapshots_created")

@@ -80,6 +80,9 @@ class Retention:
                 n_ses = conn.execute(
                     f"DELETE FROM sessions WHERE id IN (SELECT id FROM sessions WHERE "
                     f"updated_at < ?{cap})", (now - session_max_age_s,)).rowcount
+                if n_ses:  # a forgotten session's KV snapshot goes with it
+                    conn.execute("DELETE FROM kv_snapshots WHERE session NOT IN "
+                                 "(SELECT id FROM sessions)")
             n_ev = conn.execute(
                 f"DELETE FROM events WHERE id IN (SELECT id FROM events ORDER BY id DESC "
                 f"LIMIT {-1 if limit is None else limit} OFFSET ?)",

@@ -331,7 +331,36 @@ class JournalStore(Retention):
         with self.journal.transaction() as conn:
             conn.execute("UPDATE requests SET session_pending = 0 WHERE session = ? AND "
                          "session_pending = 1", (session_id,))
+            conn.execute("DELETE FROM kv_snapshots WHERE session = ?", (session_id,))
             return conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount > 0
+
+    def save_kv_snapshot(self, session_id: str, model: str, tokens: Sequence[int],
+                         identity: str, data: bytes, *, max_bytes: int,
+                         now: float | None = None) -> int:
+        """Replace the session's KV snapshot, then drop the oldest ones until all of them
+        hold at most `max_bytes` (this one too, when it alone is larger); how many dropped."""
+        now = self._clock() if now is None else now
+        with self.journal.transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO kv_snapshots (session, model, tokens, n_tokens, "
+                "identity, data, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (session_id, model, pack_ids(list(tokens)), len(tokens), identity, data,
+                 len(data), now))
+            total, dropped = 0, []
+            for sid, size in conn.execute("SELECT session, bytes FROM kv_snapshots ORDER BY "
+                                          "created_at DESC, rowid DESC").fetchall():
+                total += int(size)
+                if total > max_bytes:
+                    dropped.append(sid)
+            conn.executemany("DELETE FROM kv_snapshots WHERE session = ?",
+                             [(sid,) for sid in dropped])
+            return len(dropped)
+
+    def kv_snapshots(self, model: str, limit: int) -> list[tuple[str, list[int], bytes]]:
+        """(session, tokens, blob) of `model`'s newest `limit` KV snapshots, newest first."""
+        return [(r[0], unpack_ids(r[1]), bytes(r[2])) for r in self.conn.execute(
+            "SELECT session, tokens, data FROM kv_snapshots WHERE model = ? ORDER BY "
+            "created_at DESC, rowid DESC LIMIT ?", (model, int(limit)))]
 
     def pending_turns(self) -> list[str]:
         """Ids of done session turns not yet saved in their session's history, oldest first

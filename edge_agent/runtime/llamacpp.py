@@ -48,7 +48,9 @@ Invariants owned here:
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -73,7 +75,8 @@ from edge_agent.runtime.llama_vocab import (
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs, sample_rows_with_logprobs
 
-__all__ = ["LlamaCppEngine", "LlamaCppError", "common_prefix", "default_threads"]
+__all__ = ["LlamaCppEngine", "LlamaCppError", "common_prefix", "default_threads",
+           "snapshot_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +159,34 @@ def _prefill_chunks(spans: list[tuple[int, list[int]]]) -> Iterator[list[tuple[i
             pos = end
     if chunk:
         yield chunk
+
+
+SNAPSHOT_MAGIC = b"EAKV1\n"  # a snapshot blob: magic, 4-byte header length, JSON header, state
+
+
+def _tokens_digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, "<i4").tobytes()).hexdigest()
+
+
+def _snapshot_head(blob: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """(header, llama.cpp state) of a snapshot blob, or None when it is not one."""
+    if not blob.startswith(SNAPSHOT_MAGIC):
+        return None
+    at = len(SNAPSHOT_MAGIC)
+    size = int.from_bytes(blob[at:at + 4], "big")
+    try:
+        meta = json.loads(blob[at + 4:at + 4 + size])
+    except ValueError:
+        return None
+    if not isinstance(meta, dict):
+        return None
+    return meta, blob[at + 4 + size:]
+
+
+def snapshot_tokens(blob: bytes) -> int:
+    """How many leading tokens a `LlamaCppEngine.snapshot` blob holds (0: not a snapshot)."""
+    head = _snapshot_head(blob)
+    return 0 if head is None else int(head[0].get("tokens", 0))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -540,6 +571,86 @@ class LlamaCppEngine:
         """Forget every free slot's cells (the next adds prefill in full)."""
         for slot in list(self._held):
             self._clear_slot(slot)
+
+    # -- prompt-cache snapshots (a session's KV across a restart) ----------------------------
+    def identity(self) -> str:
+        """What a snapshot must match to be loaded here: the model (llama.cpp's description,
+        parameter count, tensor bytes, the GGUF's size) and the tokens of KV per sequence."""
+        buf = ctypes.create_string_buffer(256)
+        self._lib.llama_model_desc(self._model, buf, len(buf))
+        return (f"{buf.value.decode(errors='replace')}|"
+                f"{int(self._lib.llama_model_n_params(self._model))}|"
+                f"{int(self._lib.llama_model_size(self._model))}|"
+                f"{self.path.stat().st_size}|ctx={self.context}")
+
+    def snapshot(self, tokens: Sequence[int]) -> bytes | None:
+        """The KV state of the free slot whose held tokens are a prefix of `tokens` (a
+        finished session turn: prompt + fed tokens), as a blob `restore` loads into another
+        engine of the same model and context; None when no slot holds such a prefix or none
+        of its cells would be reused. With `exact_reuse` only the cells a later add may use
+        are kept (the prefilled ones, in whole BATCH_TOKENS pieces; the slot's tail is
+        dropped here too, it could never be reused); otherwise every held cell."""
+        ids = [int(i) for i in tokens]
+        for slot, (held, prefilled) in self._held.items():
+            if not held or len(held) > len(ids) or common_prefix(held, ids) != len(held):
+                continue
+            n = len(held)
+            if self.exact_reuse:
+                n = min(n, prefilled) // BATCH_TOKENS * BATCH_TOKENS
+                if n == 0:
+                    return None
+                if n < len(held) and self._lib.llama_memory_seq_rm(self._mem, slot, n, -1):
+                    held = held[:n]
+                    self._held[slot] = (held, min(prefilled, n))
+                else:
+                    n = len(held)
+            size = int(self._lib.llama_state_seq_get_size(self._ctx, slot))
+            buf = (ctypes.c_uint8 * size)()
+            got = int(self._lib.llama_state_seq_get_data(self._ctx, buf, size, slot))
+            if got == 0:
+                return None
+            head = json.dumps({"identity": self.identity(), "tokens": n,
+                               "prefilled": min(self._held[slot][1], n),
+                               "sha256": _tokens_digest(held[:n])}).encode()
+            return SNAPSHOT_MAGIC + len(head).to_bytes(4, "big") + head + bytes(buf)[:got]
+        return None
+
+    def restore(self, tokens: Sequence[int], blob: bytes) -> bool:
+        """Load a `snapshot` blob into an empty free slot and offer it to the prompt cache as
+        holding the first n of `tokens` (n and how many of them a prefill wrote come from the
+        blob: `_reusable` keeps its exactness rule). False, with the reason logged, when the
+        blob is from another model or context, does not match `tokens`, or no free slot is
+        empty; the engine is unchanged then."""
+        head = _snapshot_head(blob)
+        if head is None:
+            log.warning("prompt cache: a snapshot is not one this engine wrote; not restored")
+            return False
+        meta, state = head
+        ids = [int(i) for i in tokens]
+        n = int(meta.get("tokens", 0))
+        if meta.get("identity") != self.identity():
+            log.warning("prompt cache: a snapshot of model %r is not for this model (%r); "
+                        "not restored", meta.get("identity"), self.identity())
+            return False
+        if not 0 < n <= len(ids) or meta.get("sha256") != _tokens_digest(ids[:n]):
+            log.warning("prompt cache: a snapshot's %d tokens are not the session's; not "
+                        "restored", n)
+            return False
+        empty = [s for s in self._free_slots if s not in self._held]
+        if not empty:
+            return False
+        slot = empty[0]
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        got = int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(state), slot))
+        if got == 0 or self._lib.llama_memory_seq_pos_max(self._mem, slot) != n - 1:
+            self._clear_slot(slot)
+            log.warning("prompt cache: llama.cpp could not load a snapshot of %d tokens "
+                        "(%s); not restored", n, recent_errors() or "no reason given")
+            return False
+        self._held[slot] = (ids[:n], min(int(meta.get("prefilled", 0)), n))
+        self._free_slots.remove(slot)
+        self._free_slots.append(slot)  # the most recently restored: evicted last
+        return True
 
     # -- the prompt cache ---------------------------------------------------------------------
     def _take_slot(self, ids: list[int], taken: list[int]) -> tuple[int, int]:
