@@ -70,7 +70,6 @@ DAEMON_USERS_TO_NARROW = {
     "edge_agent/daemon/ollama.py",
     "edge_agent/daemon/routes.py",
     "edge_agent/daemon/service.py",
-    "edge_agent/daemon/sessions.py",
 }
 
 

@@ -122,7 +122,7 @@ class Daemon:
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
         self.notifier = Notifier.from_env(self.env)
         self.journal = DaemonJournal(self)
-        self.sessions = Sessions(self)  # `session` histories (daemon/sessions.py)
+        self.sessions = Sessions(self.journal, self.services)  # `session` histories
         self.stopping = False
         self.started = time.monotonic()
         self.uarts = Uarts(config.serial, serial_ports(config), DaemonBackend(  # the UART console

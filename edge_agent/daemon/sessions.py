@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from edge_agent.journal import JournalError
+from edge_agent.journal import JournalError, JournalStore
 from edge_agent.protocol.api import ApiError, GenerationRequest
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
     from edge_agent.daemon.requests import RequestRecord
 
 __all__ = ["Sessions", "continuation_ids"]
@@ -53,14 +53,37 @@ def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     return full[len(skip):]
 
 
+class SessionJournal(Protocol):
+    """What sessions need of the journal: its store while open (None: journal off), and the
+    admission check that refuses a write the storage cannot take."""
+
+    @property
+    def store(self) -> JournalStore | None: ...
+
+    def check_admission(self) -> None: ...
+
+
+class SessionModel(Protocol):
+    """What sessions need of a model service: its vocabulary (the chat turn's end), its engine
+    and the snapshot queue of its prompt cache."""
+
+    engine: str | None
+    to_snapshot: dict[str, list[int]]
+
+    def ensure_tokenizer(self) -> Any: ...
+
+    def poke(self) -> None: ...
+
+
 class Sessions:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, journal: SessionJournal, models: Mapping[str, SessionModel]) -> None:
+        self.journal = journal
+        self.models = models
         self.busy: dict[str, str] = {}  # session -> id of its open request
         self._memory: dict[str, tuple[str, list[int]]] = {}  # when the journal is off
 
     def history(self, sid: str, model: str) -> list[int]:
-        store = self.daemon.journal.store
+        store = self.journal.store
         if store is not None:
             s = store.get_session(sid)
             found = None if s is None else (s.model, s.history)
@@ -97,9 +120,9 @@ class Sessions:
             raise ApiError(409, "session_busy", f"session {sid!r} has request "
                            f"{self.busy[sid]} still open. Hint: wait for it (GET "
                            f"/v1/requests/{self.busy[sid]}) or cancel it, then reset.")
-        store = self.daemon.journal.store
+        store = self.journal.store
         if store is not None:
-            self.daemon.journal.check_admission()  # 507 while the journal cannot be written
+            self.journal.check_admission()  # 507 while the journal cannot be written
             s = store.get_session(sid)
             found = None if s is None else (s.model, len(s.history))
             if found is not None:
@@ -135,7 +158,7 @@ class Sessions:
         history = list(rec.job.prompt_ids) + list(rec.tokens)
         if rec.request.chat:
             history += self._turn_end(rec.model)
-        store = self.daemon.journal.store
+        store = self.journal.store
         if store is None:
             self._memory[sid] = (rec.model, history)
             return
@@ -144,10 +167,10 @@ class Sessions:
         except JournalError as exc:
             log.warning(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
             return
-        svc = self.daemon.services.get(rec.model)
+        svc = self.models.get(rec.model)
         if svc is not None and svc.engine == "llamacpp":  # its prompt cache survives a restart
             svc.to_snapshot[sid] = history
             svc.poke()
 
     def _turn_end(self, model: str) -> list[int]:
-        return list(self.daemon.services[model].ensure_tokenizer().turn_end_ids())
+        return list(self.models[model].ensure_tokenizer().turn_end_ids())
