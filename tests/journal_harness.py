@@ -262,3 +262,15 @@ def crash_run(root: Path, refs: dict[str, dict[str, tuple[list[int], str]]], *,
             "big_requests": sum(m == "smollm2" for m, _ in accepted.values()),
             "match_rate": 1 - len(mismatches) / max(1, len(accepted)),
             "mismatches": mismatches}
+
+
+def daemon_journal(host: Any) -> Any:
+    """A DaemonJournal over a fake daemon `host` (config.journal, state_dir, services, ready and,
+    when it has them, sessions): what the composition root passes, from the fake's parts."""
+    from edge_agent.daemon.durable import DaemonJournal
+
+    dj = DaemonJournal(host.config.journal, host.state_dir, services=host.services,
+                       submit=lambda job, now: None, add_record=lambda rec: None,
+                       ready=lambda: bool(host.ready))
+    dj.sessions = getattr(host, "sessions", None)
+    return dj

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from journal_harness import daemon_journal
 
 from edge_agent.config import load_config
 from edge_agent.daemon.outcome import Outcome
@@ -139,13 +140,12 @@ def _rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
 
 def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
         small_fs: Path, tmp_path: Path, log_lines: list[str]) -> None:
-    from edge_agent.daemon.durable import DaemonJournal
 
     path = small_fs / "journal.sqlite3"
     host = _Host(tmp_path, path)
 
     async def scenario() -> None:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
+        dj = daemon_journal(host)
         dj.open()
         a, b = _Rec("req-a"), _Rec("req-b", session="s1")
         dj.accept(a)  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
@@ -193,7 +193,6 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
 
 
 def test_a_full_disk_at_start_is_a_clear_error(small_fs: Path, tmp_path: Path) -> None:
-    from edge_agent.daemon.durable import DaemonJournal
 
     path = small_fs / "journal.sqlite3"
     _journal_with_open_request(path)
@@ -202,7 +201,7 @@ def test_a_full_disk_at_start_is_a_clear_error(small_fs: Path, tmp_path: Path) -
     filler = fill(small_fs)
 
     async def scenario() -> None:
-        dj = DaemonJournal(_Host(tmp_path, path))  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
+        dj = daemon_journal(_Host(tmp_path, path))
         with pytest.raises(JournalError) as failed:
             dj.open()
         text = str(failed.value)

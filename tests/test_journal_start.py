@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from journal_harness import fill_journal
+from journal_harness import daemon_journal, fill_journal
 
 from edge_agent.journal import (
     MIGRATIONS,
@@ -258,7 +258,7 @@ def test_daemon_retention_runs_after_ready_in_batches(tmp_path: Path,
     import asyncio
     import time
 
-    from edge_agent.daemon.durable import PRUNE_BATCH, DaemonJournal
+    from edge_agent.daemon.durable import PRUNE_BATCH
 
     n = 2 * PRUNE_BATCH + 30
     store = JournalStore(open_journal(tmp_path / "j.sqlite3", synchronous="OFF"))  # fast fill
@@ -268,7 +268,7 @@ def test_daemon_retention_runs_after_ready_in_batches(tmp_path: Path,
     host = _Host(tmp_path, max_finished=7)
 
     async def scenario() -> tuple[int, dict[str, object] | None, int]:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
+        dj = daemon_journal(host)
         plan = dj.open()
         assert plan is not None and plan.resume == []
         assert set(dj.start_s) == {"open", "check", "warm", "checked_while", "recover", "total"}
@@ -400,7 +400,6 @@ def test_daemon_retention_forgets_idle_sessions(tmp_path: Path, max_age: float |
     import asyncio
     import time
 
-    from edge_agent.daemon.durable import DaemonJournal
 
     store = JournalStore(open_journal(tmp_path / "j.sqlite3", synchronous="OFF"))
     now = time.time()
@@ -410,7 +409,7 @@ def test_daemon_retention_forgets_idle_sessions(tmp_path: Path, max_age: float |
     host = _Host(tmp_path, max_finished=10, session_max_age_s=max_age)
 
     async def scenario() -> tuple[dict[str, object], list[str]]:
-        dj = DaemonJournal(host)  # type: ignore[arg-type]  # a fake host with what DaemonJournal uses
+        dj = daemon_journal(host)
         dj.open()
         summary = await dj.prune_now()
         assert dj.store is not None

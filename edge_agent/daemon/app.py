@@ -121,8 +121,12 @@ class Daemon:
         self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
         self.notifier = Notifier.from_env(self.env)
-        self.journal = DaemonJournal(self)
+        self.journal = DaemonJournal(  # what the control plane writes; warm start from it
+            config.journal, self.state_dir, services=self.services,
+            submit=self.scheduler.submit, add_record=self.requests.add,
+            ready=lambda: self.ready)
         self.sessions = Sessions(self.journal, self.services)  # `session` histories
+        self.journal.sessions = self.sessions
         self.stopping = False
         self.started = time.monotonic()
         self.uarts = Uarts(config.serial, serial_ports(config), DaemonBackend(  # the UART console

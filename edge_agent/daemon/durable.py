@@ -54,8 +54,9 @@ import math
 import os
 import sqlite3
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from edge_agent.daemon.ipc import Ready
 from edge_agent.daemon.outcome import Outcome
@@ -75,7 +76,8 @@ from edge_agent.protocol.api import ApiError, ChatMessage, GenerationRequest
 from edge_agent.scheduler import Job, JobState, QueueFull
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
+    from edge_agent.config import JournalConfig
+    from edge_agent.daemon.service import ModelService
 
 __all__ = ["DaemonJournal", "final_state", "PRUNE_BATCH", "RETENTION_INTERVAL_S", "RETRY_FIRST_S",
            "RETRY_MAX_S"]
@@ -110,12 +112,30 @@ def _request_from(data: dict[str, Any]) -> GenerationRequest:
     return GenerationRequest(**d)
 
 
+class JournalSessions(Protocol):
+    """What the journal needs of the sessions: a turn ended (its history grows when done), and
+    a resumed turn holds its session again."""
+
+    def finished(self, rec: RequestRecord, done: bool) -> None: ...
+
+    def claim(self, sid: str, rid: str) -> None: ...
+
+
 class DaemonJournal:
-    def __init__(self, daemon: Daemon) -> None:
-        cfg = daemon.config.journal
-        self.daemon = daemon
+    def __init__(self, cfg: JournalConfig, state_dir: Path, *,
+                 services: Mapping[str, ModelService], submit: Callable[[Job, float], object],
+                 add_record: Callable[[RequestRecord], object],
+                 ready: Callable[[], bool]) -> None:
+        """`submit` queues a resumed job in the scheduler (QueueFull when it is full),
+        `add_record` puts its record in the request table, `ready` says the daemon serves;
+        `sessions` is wired after construction (they need the journal too)."""
+        self.services = services
+        self._submit = submit
+        self._add_record = add_record
+        self._ready = ready
+        self.sessions: JournalSessions | None = None
         self.cfg = cfg
-        self.path = cfg.resolve_path(daemon.state_dir)
+        self.path = cfg.resolve_path(state_dir)
         self.store: JournalStore | None = None
         self.plan: RecoveryPlan | None = None
         self._step_depth = 0
@@ -187,7 +207,7 @@ class DaemonJournal:
         self.store = JournalStore(peek)  # cached_tokenizer() reads through it
         self._warming = True
         try:
-            for svc in self.daemon.services.values():
+            for svc in self.services.values():
                 if svc.entry.preload and svc.tokenizer is None:
                     try:
                         svc.ensure_tokenizer()
@@ -218,7 +238,7 @@ class DaemonJournal:
     async def _retain(self) -> None:
         """Once READY, then every RETENTION_INTERVAL_S: prune in short transactions
         (PRUNE_BATCH rows each), yielding to the event loop between them."""
-        while not self.daemon.ready:
+        while not self._ready():
             await asyncio.sleep(0.2)
         while self.store is not None:
             await self.prune_now()
@@ -352,7 +372,7 @@ class DaemonJournal:
         self.fault = None
         log.info(f"journal: {self.path} is writable again after {took:.1f} s "
                  f"({f['failures']} failed write(s)); serving again")
-        for svc in self.daemon.services.values():
+        for svc in self.services.values():
             svc.poke()
         return True
 
@@ -377,7 +397,7 @@ class DaemonJournal:
             while after:
                 rec = after[0]
                 try:
-                    self.daemon.sessions.finished(rec, final_state(rec) == "done")
+                    self._session_finished(rec, final_state(rec) == "done")
                 except (JournalError, sqlite3.Error) as exc:
                     self._failed(exc)
                     return False
@@ -463,7 +483,7 @@ class DaemonJournal:
         refused: order is kept)."""
         if self.store is None:
             for rec in after:
-                self.daemon.sessions.finished(rec, final_state(rec) == "done")
+                self._session_finished(rec, final_state(rec) == "done")
             return
         if not (rows or running or ends or after):
             return
@@ -529,7 +549,7 @@ class DaemonJournal:
         if self.store is None:
             return None
         jreq = self.store.get_request(rid)
-        svc = None if jreq is None else self.daemon.services.get(jreq.model)
+        svc = None if jreq is None else self.services.get(jreq.model)
         if jreq is None or svc is None:
             return None
         tokens = [t.token_id for t in self.store.tokens(rid)]
@@ -571,20 +591,23 @@ class DaemonJournal:
         for rid in self.store.pending_turns():
             rec = self.rebuild(rid)
             if rec is not None:
-                self.daemon.sessions.finished(rec, True)
+                self._session_finished(rec, True)
                 log.info(f"journal: session {rec.request.session}: turn {rid} restored")
         self.start_s["reconcile"] = time.perf_counter() - t0
+
+    def _session_finished(self, rec: RequestRecord, done: bool) -> None:
+        if self.sessions is not None:
+            self.sessions.finished(rec, done)
 
     def resume(self) -> int:
         """Re-queue what recovery returned; returns how many requests were resumed."""
         if self.store is None or self.plan is None:
             return 0
-        d = self.daemon
         self._reconcile_sessions()
         n = 0
         for item in self.plan.resume:
             req = item.request
-            svc = d.services.get(req.model)
+            svc = self.services.get(req.model)
             if svc is None:
                 self.store.finish(req.id, "failed", error=f"model {req.model!r} is no longer "
                                   "configured. Hint: add its [models.NAME] table back.")
@@ -598,14 +621,14 @@ class DaemonJournal:
             # acceptance (not from this restart) and the job keeps its age in the queue.
             job.submitted_at = now - max(0.0, time.time() - req.created_at)
             try:
-                d.scheduler.submit(job, now)
+                self._submit(job, now)
             except QueueFull as exc:
                 self.store.finish(req.id, "failed", error=f"could not be re-queued after a "
                                   f"restart: {exc}")
                 continue
-            d.requests.add(rec)
-            if rec.request.session is not None:
-                d.sessions.claim(rec.request.session, job.id)
+            self._add_record(rec)
+            if rec.request.session is not None and self.sessions is not None:
+                self.sessions.claim(rec.request.session, job.id)
             svc.poke()
             n += 1
         return n
