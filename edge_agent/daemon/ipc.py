@@ -301,18 +301,32 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
     raise ValueError(f"{where}: no decoder for {hint}")  # pragma: no cover - a new field type
 
 
+_SCHEMAS: dict[type[Any], tuple[tuple[str, Any, bool], ...]] = {}
+
+
+def _schema(cls: type[Any]) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type, required) of each field of `cls`: worked out once per message class, not on
+    every frame (get_type_hints evaluates the annotations' text each time it is called)."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        schema = _SCHEMAS[cls] = tuple(
+            (f.name, hints[f.name], f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING) for f in dataclasses.fields(cls))
+    return schema
+
+
 def _build(cls: type[Any], d: dict[str, Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(d) - names)
+    schema = _schema(cls)
+    extra = sorted(set(d) - {name for name, _, _ in schema})
     if extra:
         raise ValueError(f"{where}: unknown field {extra[0]!r}")
     kw = {}
-    for f in dataclasses.fields(cls):
-        if f.name in d:
-            kw[f.name] = _typed(d[f.name], hints[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{where}: field {f.name!r} is missing")
+    for name, hint, required in schema:
+        if name in d:
+            kw[name] = _typed(d[name], hint, f"{where}.{name}")
+        elif required:
+            raise ValueError(f"{where}: field {name!r} is missing")
     return cls(**kw)
 
 
