@@ -132,13 +132,20 @@ def _regions(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int, str]]
 class _Seq:
     slot: int
     params: SamplingParams
-    length: int  # tokens in the KV cache (prompt + fed tokens)
     last: int  # last sampled token, fed by the next step
     generated: int  # tokens sampled so far (the next one is generation index `generated`)
-    history: list[int] | None = None  # prompt + sampled tokens, kept only for penalties
     kv: list[int] = field(default_factory=list)  # the tokens the KV cells hold, in order
     cached: int = 0  # tokens of the prompt (+ resumed tokens) the prompt cache gave at add
     prefilled: int = 0  # leading cells a prefill wrote (the rest: one decode step each)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache (prompt + fed tokens)."""
+        return len(self.kv)
+
+    def history(self) -> list[int]:
+        """The penalty window's source, prompt + sampled tokens (empty: no penalty asked)."""
+        return [*self.kv, self.last] if self.params.penalized else []
 
 
 def _prefill_chunks(spans: list[tuple[int, list[int]]]) -> Iterator[list[tuple[int, int, int]]]:
@@ -506,11 +513,9 @@ class LlamaCppEngine:
         for k, token, lp in zip(order, sampled, lps, strict=True):
             seq, ids, slot = ready[k]
             self._free_slots.remove(slot)
-            history = [*ids, int(token)] if seq.params.penalized else None
-            self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, length=len(ids),
-                                          last=int(token), generated=len(seq.generated) + 1,
-                                          history=history, kv=ids, cached=reused[k],
-                                          prefilled=len(ids))
+            self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, last=int(token),
+                                          generated=len(seq.generated) + 1, kv=ids,
+                                          cached=reused[k], prefilled=len(ids))
             tokens[seq.seq_id] = int(token)
             if lp is not None:
                 self.last_logprobs[seq.seq_id] = lp
@@ -535,16 +540,13 @@ class LlamaCppEngine:
         self.constraints.mask(seq_ids, logits)
         sampled, lps = sample_rows_with_logprobs(
             logits, [q.params for q in seqs], [q.generated for q in seqs],
-            [q.history or () for q in seqs])
+            [q.history() for q in seqs])
         self.constraints.advance(seq_ids, sampled)
         out: dict[str, int] = {}
         for sid, q, token, lp in zip(seq_ids, seqs, sampled, lps, strict=True):
             q.kv.append(q.last)
-            q.length += 1
             q.last = int(token)
             q.generated += 1
-            if q.history is not None:
-                q.history.append(int(token))
             out[sid] = int(token)
             if lp is not None:
                 self.last_logprobs[sid] = lp
