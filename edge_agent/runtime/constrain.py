@@ -130,6 +130,7 @@ class Constraints:
         self._eog = np.array(sorted(int(i) for i in (getattr(tokenizer, "eog_ids", None)
                                                       or {tokenizer.eos_id})), dtype=np.intp
                              ) if tokenizer is not None else np.empty(0, np.intp)
+        self._eog_set = frozenset(int(i) for i in self._eog)  # the same ids, for lookups
         self._bits: np.ndarray | None = None
 
     @property
@@ -166,7 +167,7 @@ class Constraints:
         """Constrain `seq_id` by `grammar`, its matcher advanced over `generated` (a resume)."""
         matcher = self._compile(grammar).deep_copy()
         done = [int(t) for t in generated]
-        stop = set(self._eog.tolist())
+        stop = self._eog_set
         for k, t in enumerate(done):
             if t in stop:
                 break
@@ -213,7 +214,7 @@ class Constraints:
         """Move each constrained sequence's matcher past the token it was given."""
         if not self._matchers:
             return
-        stop = set(self._eog.tolist())
+        stop = self._eog_set
         for sid, tok in zip(seq_ids, tokens, strict=True):
             matcher = self._matchers.get(sid)
             if matcher is None or sid in self._ended:
