@@ -490,14 +490,25 @@ class LlamaCppEngine:
         if not ready:
             return tokens, errors
         last_row: dict[int, np.ndarray] = {}
+        # A resumed sequence's prompt is prefilled; its generated tokens are replayed one
+        # position per llama_decode, as the steps of the uninterrupted run wrote them: a cell
+        # a prefill writes differs in its last bits from one a decode step writes, and the
+        # continuation must be the tokens the uninterrupted run gives (a greedy near-tie flips
+        # otherwise). `prompt_end[k]`: where sequence k's prefill stops.
+        prompt_end = [len(r[1]) - len(r[0].generated) for r in ready]
         try:
-            for chunk in _prefill_chunks([(n, r[1]) for n, r in zip(reused, ready, strict=True)]):
-                outs = [k for k, pos, _ in chunk if pos == len(ready[k][1]) - 1]
-                self._decode([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
-                              for k, pos, tok in chunk])
-                rows = self._logits(len(outs))
-                for j, k in enumerate(outs):
-                    last_row[k] = rows[j].copy()
+            spans = [(n, r[1][:end]) for n, r, end in zip(reused, ready, prompt_end, strict=True)]
+            for chunk in _prefill_chunks(spans):
+                self._decode_rows(chunk, ready, last_row)
+            at = [max(n, end) for n, end in zip(reused, prompt_end, strict=True)]
+            while True:
+                chunk = [(k, at[k], ready[k][1][at[k]]) for k in range(len(ready))
+                         if at[k] < len(ready[k][1])]
+                if not chunk:
+                    break
+                self._decode_rows(chunk, ready, last_row)
+                for k, _, _ in chunk:
+                    at[k] += 1
         except LlamaCppError as exc:
             for seq, _, slot in ready:
                 self._clear_slot(slot)
@@ -515,7 +526,7 @@ class LlamaCppEngine:
             self._free_slots.remove(slot)
             self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, last=int(token),
                                           generated=len(seq.generated) + 1, kv=ids,
-                                          cached=reused[k], prefilled=len(ids))
+                                          cached=reused[k], prefilled=prompt_end[k])
             tokens[seq.seq_id] = int(token)
             if lp is not None:
                 self.last_logprobs[seq.seq_id] = lp
@@ -837,6 +848,18 @@ class LlamaCppEngine:
         return np.ctypeslib.as_array(ptr, shape=(len(tokens), self.n_embd))
 
     # -- llama.cpp calls ------------------------------------------------------------------------
+    def _decode_rows(self, chunk: list[tuple[int, int, int]],
+                     ready: Sequence[tuple[NewSeq, list[int], int]],
+                     last_row: dict[int, np.ndarray]) -> None:
+        """One llama_decode of (sequence index, position, token) rows of sequences being
+        added; the logits of a row at the last position of its sequence go to `last_row`."""
+        outs = [k for k, pos, _ in chunk if pos == len(ready[k][1]) - 1]
+        self._decode([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
+                      for k, pos, tok in chunk])
+        rows = self._logits(len(outs))
+        for j, k in enumerate(outs):
+            last_row[k] = rows[j].copy()
+
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, slot, wants logits) rows."""
         b = self._batch
