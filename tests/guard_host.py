@@ -27,7 +27,7 @@ class FakeModel:
     max_batch: int = 4
     lifecycle: ModelLifecycle = field(init=False)
     active: dict[str, Any] = field(default_factory=dict)
-    unload_requested: bool = False
+    unload_requested: bool = False  # request_unload() was called
     pokes: int = 0
 
     def __post_init__(self) -> None:
@@ -35,6 +35,10 @@ class FakeModel:
 
     def poke(self) -> None:
         self.pokes += 1
+
+    def request_unload(self) -> None:
+        self.unload_requested = True
+        self.poke()
 
     def idle(self) -> FakeModel:
         self.lifecycle.state = ModelState.IDLE  # a fake: no load happened

@@ -68,7 +68,6 @@ RUNS_THE_ROOT = {"edge_agent/commands/serve.py"}
 DAEMON_USERS_TO_NARROW = {
     "edge_agent/daemon/ollama.py",
     "edge_agent/daemon/routes.py",
-    "edge_agent/daemon/service.py",
 }
 
 

@@ -228,6 +228,22 @@ def test_max_batch_size_and_free_slots_bound_each_take() -> None:
     assert len(s.running("m")) == 4 and s.queued("m") == 4
 
 
+def test_running_ids_are_in_start_order_and_a_requeued_job_starts_again_last() -> None:
+    s = sched()
+    s.submit(job("low", priority=1), 0.0)
+    s.submit(job("high", priority=9), 0.0)
+    assert ids(s.take("m", 2, 0.0)) == ["high", "low"]
+    assert s.running_ids("m") == ["high", "low"]  # as started (running() is by submission)
+    assert ids(s.running("m")) == ["low", "high"]
+    s.submit(job("next"), 0.5)
+    assert ids(s.take("m", 1, 0.5)) == ["next"]
+    s.requeue(["high"], 1.0)
+    s.finish("low", 1.0, JobState.DONE)
+    assert s.running_ids("m") == ["next"] and s.running_ids("other") == []
+    assert ids(s.take("m", 1, 1.0)) == ["high"]
+    assert s.running_ids("m") == ["next", "high"]
+
+
 def test_take_other_model_is_independent() -> None:
     s = sched(max_batch_size=1)
     s.submit(job("a", "A"), 0.0)

@@ -105,6 +105,8 @@ class Daemon:
         """`cgroup_io`: how cgroup files are accessed (tests pass a fake kernel's)."""
         self.config = config
         self.env = dict(env)
+        self.ready = False  # every preloaded model settled: READY=1 sent
+        self.stopping = False  # SIGTERM: draining
         self.state_dir = Path(config.server.state_dir)
         self.scheduler = Scheduler(config.scheduler)
         self.metrics = Metrics()
@@ -118,16 +120,21 @@ class Daemon:
             shed=lambda rec, now, msg: self.requests.finish(
                 rec.id, Outcome.failed("memory_pressure", msg), now),
             record_event=self._record_event, io_factory=cgroup_io)
-        self.services = {name: ModelService(entry, self) for name, entry in config.models.items()}
+        # filled once the journal exists: the journal and the services each use the other
+        self.services: dict[str, ModelService] = {}
         # non-blocking; a failed send is logged, never raised (sdnotify.py)
         self.notifier = Notifier.from_env(self.env)
         self.journal = DaemonJournal(  # what the control plane writes; warm start from it
             config.journal, self.state_dir, services=self.services,
             submit=self.scheduler.submit, add_record=self.requests.add,
             ready=lambda: self.ready)
+        self.services.update({name: ModelService(  # one loop per model (service.py)
+            entry, config.runtime, state_dir=self.state_dir, host=self,
+            scheduler=self.scheduler, requests=self.requests, journal=self.journal,
+            memory=self.memory, metrics=self.metrics, peers=lambda: self.services)
+            for name, entry in config.models.items()})
         self.sessions = Sessions(self.journal, self.services)  # `session` histories
         self.journal.sessions = self.sessions
-        self.stopping = False
         self.started = time.monotonic()
         self.uarts = Uarts(config.serial, serial_ports(config), DaemonBackend(  # the UART console
             submit=self.submit, cancel=self.cancel, records=self.records, models=self.services,
@@ -139,7 +146,6 @@ class Daemon:
             max_body_bytes=int(config.server.max_body_bytes), stopping=lambda: self.stopping,
             store=lambda: self.journal.store.flash if self.journal.store is not None else None,
             port_users=self.uarts)
-        self.ready = False
         self._exit = asyncio.Event()
         self._tick = asyncio.Event()
         self._settled = asyncio.Event()

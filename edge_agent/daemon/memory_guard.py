@@ -80,8 +80,6 @@ LOGGED_KEYS = ("high", "max", "oom")
 class GuardedModel(Protocol):
     """What the guard reads and asks of one model service (daemon/service.py)."""
 
-    unload_requested: bool  # set: the model loop unloads the model when it is idle
-
     @property
     def name(self) -> str: ...
 
@@ -95,6 +93,8 @@ class GuardedModel(Protocol):
     def active(self) -> Mapping[str, RequestRecord]: ...  # running requests by id
 
     def poke(self) -> None: ...  # wake the model loop: limits changed, a request ended
+
+    def request_unload(self) -> None: ...  # the model loop unloads the model once it is idle
 
 
 class MemoryGuard:
@@ -339,8 +339,7 @@ class MemoryGuard:
                 if (svc.lifecycle.state is ModelState.IDLE and not svc.active
                         and self.queued(svc.name) == 0):
                     log.warning(f"memory pressure: unloading idle model {svc.name}")
-                    svc.unload_requested = True
-                    svc.poke()
+                    svc.request_unload()
         interval = self.stages.config.escalate_interval_s
         if a.cancel_lowest and (escalated or self._last_cancel is None
                                 or now - self._last_cancel >= interval):

@@ -31,6 +31,14 @@ Invariants owned here:
 - While the journal cannot be written (`DaemonJournal.writable` false) no step runs and no job
   starts: running requests pause (their sequences stay in the runner) and continue when the
   journal pokes the loop. A loop that dies anyway is restarted by the daemon (app.py).
+- Which jobs run is the scheduler's to say: `active` is read from it (its running jobs of this
+  model whose request has not ended). The service keeps only what its runner holds (the
+  sequences added and not released yet), so each turn releases those whose job ended.
+- A service knows the daemon only through what its constructor is given (daemon/app.py wires
+  them): the `ServiceHost`, the scheduler (`ModelQueue`), the request table
+  (`ServiceRequests`), the journal (`ServiceJournal`), the memory guard (`RunnerMemory`), the
+  metrics and the other services as `Peer`s; a load that needs their memory asks them to
+  unload through `request_unload()`, as the memory guard and the `unload` command do.
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edge_agent.daemon.ipc import (
     AddSeq,
@@ -50,6 +59,7 @@ from edge_agent.daemon.ipc import (
     Embedded,
     Message,
     Progress,
+    Ready,
     Restore,
     Restored,
     RunnerGone,
@@ -59,14 +69,16 @@ from edge_agent.daemon.ipc import (
     Step,
     StepResult,
 )
+from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.outcome import EndCode, Outcome
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
 from edge_agent.errors import EdgeAgentError
-from edge_agent.journal import JournalError
+from edge_agent.journal import JournalError, JournalStore
 from edge_agent.scheduler import (
     RUNNER_BASE_BYTES,
     BudgetExceeded,
+    Job,
     JobState,
     LoadedModel,
     ModelLifecycle,
@@ -76,9 +88,11 @@ from edge_agent.scheduler import (
 )
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
+    from edge_agent.config import RuntimeConfig
 
-__all__ = ["ModelService", "EmbeddingError", "EvictionTimeout", "EMBED_MSG_TOKENS"]
+__all__ = ["ModelService", "EmbeddingError", "EvictionTimeout", "EMBED_MSG_TOKENS",
+           "ServiceHost", "ModelQueue", "ServiceRequests", "ServiceJournal", "RunnerMemory",
+           "Peer"]
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +116,133 @@ class EmbeddingError(EdgeAgentError):
         self.refused = refused
 
 
+class ServiceHost(Protocol):
+    """What a model loop asks of the daemon around it (daemon/app.py's `Daemon` is one)."""
+
+    @property
+    def stopping(self) -> bool: ...  # shutting down: no load, no new job; unload once idle
+
+    def reap(self, now: float) -> None: ...  # expire the jobs past their deadline (every model)
+
+    def wait_timeout(self, now: float) -> float | None: ...  # until the scheduler's next event
+
+    def memory_limit(self) -> int: ...  # bytes the resident models' budgets must fit in
+
+    def notifier_extend(self, status: str) -> None: ...  # a load makes progress (sd_notify)
+
+    def model_settled(self, svc: ModelService) -> None: ...  # loaded, failed or unloaded
+
+    async def wait_settled(self) -> None: ...  # until the next model_settled
+
+
+class ModelQueue(Protocol):
+    """What a model loop asks of the scheduler (scheduler/queue.py), which owns every job's
+    state: which of this model's jobs wait, which run, and their starts, requeues, failures."""
+
+    def queued(self, model: str) -> int: ...
+
+    def running_ids(self, model: str) -> list[str]: ...
+
+    def take(self, model: str, free_slots: int, now: float) -> list[Job]: ...
+
+    def fail_queued(self, model: str, now: float, error: str) -> list[Job]: ...
+
+    def requeue(self, job_ids: Iterable[str], now: float, reason: str = ...,
+                progressed: Collection[str] = ...) -> list[Job]: ...
+
+
+class ServiceRequests(Protocol):
+    """The request table (daemon/request_table.py): the records by id, and the one way a
+    request ends."""
+
+    def get(self, rid: str) -> RequestRecord | None: ...
+
+    def finish(self, rid: str, outcome: Outcome, now: float) -> bool: ...
+
+
+class ServiceJournal(Protocol):
+    """What a model loop writes to and reads from the journal (daemon/durable.py)."""
+
+    @property
+    def store(self) -> JournalStore | None: ...  # None: the journal is off (KV snapshots)
+
+    @property
+    def writable(self) -> bool: ...  # False: a write was refused; no step runs meanwhile
+
+    def cached_tokenizer(self, name: str, path: Path) -> Any: ...
+
+    def begin_step(self) -> None: ...
+
+    async def commit_step(self) -> None: ...
+
+    def started(self, rids: list[str]) -> None: ...
+
+    def token(self, rec: RequestRecord, before: int) -> None: ...
+
+    def model_loaded(self, name: str, path: Path, ready: Ready, tokenizer: Any) -> None: ...
+
+    def model_failed(self, name: str, reason: str) -> None: ...
+
+
+class RunnerMemory(Protocol):
+    """What a model loop asks of the memory guard (daemon/memory_guard.py): its runner's
+    cgroup around a spawn and a reap, the batch limit under pressure, what /health shows."""
+
+    def runner_hook(self, name: str, budget: int | None) -> Callable[[int], None] | None: ...
+
+    def runner_exited(self, name: str) -> str | None: ...
+
+    def batch_limit(self, max_batch: int) -> int: ...
+
+    def model_dict(self, name: str) -> dict[str, Any]: ...
+
+
+class Peer(Protocol):
+    """Another model service as a load that makes room sees it (LRU eviction)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def budget_bytes(self) -> int | None: ...
+
+    @property
+    def lifecycle(self) -> ModelLifecycle: ...
+
+    def in_use(self) -> bool: ...
+
+    def request_unload(self) -> None: ...
+
+
 class ModelService:
-    def __init__(self, entry: Any, daemon: Daemon) -> None:
+    def __init__(self, entry: Any, runtime: RuntimeConfig, *, state_dir: Path,
+                 host: ServiceHost, scheduler: ModelQueue, requests: ServiceRequests,
+                 journal: ServiceJournal, memory: RunnerMemory, metrics: Metrics,
+                 peers: Callable[[], Mapping[str, Peer]]) -> None:
+        """`entry`: the model's configuration (models.NAME); `runtime`: the engine settings
+        every runner gets; `state_dir`: passed to the runner; `peers()`: the model services
+        by name (this one included), asked to unload when a load needs their memory."""
         self.entry = entry
         self.name: str = entry.name
-        self.daemon = daemon
+        self.runtime = runtime
+        self.state_dir = state_dir
+        self.host = host
+        self.scheduler = scheduler
+        self.requests = requests
+        self.journal = journal
+        self.memory = memory
+        self.metrics = metrics
+        self.peers = peers
         self.lifecycle = ModelLifecycle(self.name, time.monotonic())
         self.runner: RunnerHandle | None = None
-        self.active: dict[str, RequestRecord] = {}
+        # the sequences the runner holds (added, not released yet), in the order they were
+        # added; which jobs run is the scheduler's to say (`active`)
+        self._held: dict[str, None] = {}
         self.to_release: list[str] = []
         self.to_snapshot: dict[str, list[int]] = {}  # session -> tokens of its finished turn
         self.wake = asyncio.Event()
         self.load_requested = bool(entry.preload)
-        self.unload_requested = False
+        self._unload_requested = False  # request_unload(): unload once idle
         # keep_alive of the last Ollama request (daemon/ollama.py): (seconds or None for
         # "stay loaded",) in place of entry.ttl_s until the next unload; None: entry.ttl_s
         self.ttl_override: tuple[float | None] | None = None
@@ -150,7 +278,7 @@ class ModelService:
         if self.tokenizer is None:
             from edge_agent.runtime.engines import resolve_engine
 
-            self.engine = resolve_engine(self.daemon.config.runtime.engine)
+            self.engine = resolve_engine(self.runtime.engine)
             t0 = time.perf_counter()
             if self.engine == "llamacpp":
                 tok = self._llamacpp_tokenizer()
@@ -193,7 +321,7 @@ class ModelService:
         meta = g.metadata
         cfg = ModelConfig.from_metadata(meta, source=str(self.path()))
         self.context = min(self.context, cfg.context_length)
-        dtype = self.daemon.config.runtime.dtype
+        dtype = self.runtime.dtype
         # the runner process itself counts too: planning and the cgroup's memory.high /
         # memory.max (policy factors of this budget) must leave it room to even load
         self.budget_bytes = model_budget_bytes(
@@ -201,7 +329,7 @@ class ModelService:
             self.max_batch, self.context, overhead_bytes=RUNNER_BASE_BYTES,
         )
         # warm start: the tokenizer from the journal's cache when this file is known there
-        tok = self.daemon.journal.cached_tokenizer(self.name, self.path())
+        tok = self.journal.cached_tokenizer(self.name, self.path())
         self.tokenizer_from = "journal" if tok is not None else "gguf"
         if tok is None:
             tok = Tokenizer.from_metadata(meta, source=str(self.path()))
@@ -264,7 +392,7 @@ class ModelService:
         try:
             attempt = 0
             while done < len(groups):
-                if self.daemon.stopping and not self.lifecycle.can_serve:
+                if self.host.stopping and not self.lifecycle.can_serve:
                     raise EmbeddingError(f"model {self.name!r}: the daemon is shutting down "
                                          "and loads no model. Hint: retry when it is back.")
                 failed = await self.load_and_wait()
@@ -275,7 +403,7 @@ class ModelService:
                     # the loop notices the loss (UNLOADED), then loads again for us
                     self.load_requested = True
                     self.poke()
-                    await self.daemon.wait_settled()
+                    await self.host.wait_settled()
                     continue
                 self.lifecycle.use(time.monotonic())
                 try:
@@ -314,6 +442,31 @@ class ModelService:
         self.wake.set()
 
     @property
+    def active(self) -> dict[str, RequestRecord]:
+        """This model's running requests by id, in the order they started: the scheduler's
+        running jobs of this model whose request has not ended (one answered and kept for
+        the next start has). The runner may still hold an ended one's sequence until the
+        loop's next message releases it."""
+        out: dict[str, RequestRecord] = {}
+        for jid in self.scheduler.running_ids(self.name):
+            rec = self.requests.get(jid)
+            if rec is not None and not rec.done.is_set():
+                out[jid] = rec
+        return out
+
+    def in_use(self) -> bool:
+        """Whether the model is needed now (a running, queued or embedding request, or not
+        idle): a load that makes room may not evict it."""
+        return (bool(self.active) or self.lifecycle.state is not ModelState.IDLE
+                or self.scheduler.queued(self.name) > 0 or self.embeds > 0)
+
+    def request_unload(self) -> None:
+        """Ask the loop to unload the model once it is idle (another model's load needs
+        the memory, memory pressure, the `unload` command); returns at once."""
+        self._unload_requested = True
+        self.poke()
+
+    @property
     def ttl_s(self) -> float | None:
         """Idle seconds before the model unloads (None: never): an Ollama keep_alive, else
         models.NAME.ttl_s."""
@@ -326,7 +479,7 @@ class ModelService:
             self.load_requested = True
             self.poke()
             while not self.lifecycle.can_serve:
-                await self.daemon.wait_settled()
+                await self.host.wait_settled()
                 if self.lifecycle.state is ModelState.FAILED:
                     return self.lifecycle.reason or "load failed"
         return None
@@ -334,22 +487,21 @@ class ModelService:
     async def unload_and_wait(self) -> None:
         """Ask for an unload (when resident) and wait until the weights are gone."""
         if self.lifecycle.resident:
-            self.unload_requested = True
-            self.poke()
+            self.request_unload()
             while self.lifecycle.resident:
-                await self.daemon.wait_settled()
+                await self.host.wait_settled()
 
     def to_dict(self) -> dict[str, Any]:
         d = self.lifecycle.to_dict()
         d.update({
-            "engine": self.engine or self.daemon.config.runtime.engine,
+            "engine": self.engine or self.runtime.engine,
             "engine_info": self.engine_info,
             # false: this model's tokens may depend on what shares its batch (the runner
             # measured its kernels at warm-up); journaled tokens never change either way
             "batch_invariant": self.batch_invariant,
             "runner_pid": self.runner.pid if self.runner and not self.runner.gone.is_set()
             else None,
-            "active": len(self.active), "queued": self.daemon.scheduler.queued(self.name),
+            "active": len(self.active), "queued": self.scheduler.queued(self.name),
             "max_batch": self.max_batch, "context": self.context,
             "budget_bytes": self.budget_bytes, "mlock": self.lock,
             "prompt_cache": self._prompt_cache(),
@@ -357,7 +509,7 @@ class ModelService:
             "ttl_s": self.ttl_s, "priority": self.entry.priority,
             "tokenizer_from": self.tokenizer_from,
             "tokenizer_s": None if self.tokenizer_s is None else round(self.tokenizer_s, 6),
-            "memory": self.daemon.memory.model_dict(self.name),  # cgroup group, OOM kills
+            "memory": self.memory.model_dict(self.name),  # cgroup group, OOM kills
         })
         if self._load_progress and self.lifecycle.state is ModelState.LOADING:
             d["load_progress"] = {"done": self._load_progress[0],
@@ -368,7 +520,7 @@ class ModelService:
         """The runner's prompt cache (None before a load: the engine decides) and what it
         saved: prompt tokens of finished requests, those the cache held, requests it hit."""
         info = (self.engine_info or {}).get("prompt_cache", False)
-        m = self.daemon.metrics
+        m = self.metrics
         return {"enabled": None if info is False else info is not None,
                 # true: a hit gives the same tokens as a full prefill (the model is
                 # batch-invariant); false: they may differ, as with another batch
@@ -380,7 +532,7 @@ class ModelService:
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         """Until the daemon stops and this model is unloaded."""
-        while not (self.daemon.stopping and not self.lifecycle.resident):
+        while not (self.host.stopping and not self.lifecycle.resident):
             await self._turn()
 
     async def _wait(self, timeout: float | None) -> None:
@@ -391,13 +543,12 @@ class ModelService:
         self.wake.clear()
 
     async def _turn(self) -> None:
-        sched = self.daemon.scheduler
+        sched = self.scheduler
         now = time.monotonic()
-        self.daemon.reap(now)
-        for jid, rec in list(self.active.items()):
-            if rec.done.is_set() or rec.job.finished:
-                del self.active[jid]
-                self.to_release.append(jid)
+        self.host.reap(now)
+        running = self.active
+        for jid in [jid for jid in self._held if jid not in running]:
+            self._release(jid)  # ended: cancelled, expired, shed, kept at shutdown
         state = self.lifecycle.state
         runner_ok = self.runner is not None and not self.runner.gone.is_set()
         if self.lifecycle.can_serve and not runner_ok:
@@ -405,54 +556,54 @@ class ModelService:
             return
         if not self.lifecycle.resident:
             wanted = self.load_requested or sched.queued(self.name) > 0
-            if wanted and not self.daemon.stopping:
+            if wanted and not self.host.stopping:
                 await self._load()
                 return
-            await self._wait(self.daemon.wait_timeout(now))
+            await self._wait(self.host.wait_timeout(now))
             return
         if not self.lifecycle.can_serve:  # loading/unloading happen inside _load/_unload
             await self._wait(0.05)
             return
-        free = self.daemon.memory.batch_limit(self.max_batch) - len(self.active)  # PSI stage 1
-        paused = not self.daemon.journal.writable  # its tokens could not be made durable
-        new = [] if self.daemon.stopping or paused else sched.take(self.name, free, now)
-        if paused and self.active:
+        free = self.memory.batch_limit(self.max_batch) - len(running)  # PSI stage 1
+        paused = not self.journal.writable  # its tokens could not be made durable
+        new = [] if self.host.stopping or paused else sched.take(self.name, free, now)
+        if paused and running:
             # no step until the journal takes writes again (it pokes us then)
-            await self._wait(self.daemon.wait_timeout(now))
+            await self._wait(self.host.wait_timeout(now))
             return
-        if (not self.active and not new and not self.to_release and not self.daemon.stopping
+        if (not running and not new and not self.to_release and not self.host.stopping
                 and sched.queued(self.name) > 0):
             # A lone job waits for company (batch window): the model is not idle, so neither
             # mark it idle nor let a ttl or an unload request take it away from that job.
-            await self._wait(self.daemon.wait_timeout(now))
+            await self._wait(self.host.wait_timeout(now))
             return
-        if not self.active and not new and not self.to_release:
+        if not running and not new and not self.to_release:
             if self._inflight is not None:  # take in the last reply (free slots) before idling
                 await self._drain_inflight()
                 return
             if self.embeds:  # an embedding request uses the runner: in use, not idle
-                await self._wait(self.daemon.wait_timeout(now))
+                await self._wait(self.host.wait_timeout(now))
                 return
             if self.to_snapshot:  # the turns' slots are released and idle: keep their KV
                 await self._take_snapshots()
                 return
             if state is ModelState.SERVING:
                 self.lifecycle.mark_idle(now)
-            if self.unload_requested or self.daemon.stopping or self.lifecycle.should_unload(
+            if self._unload_requested or self.host.stopping or self.lifecycle.should_unload(
                     now, self.ttl_s):
-                await self._unload("ttl" if not self.unload_requested else "request")
+                await self._unload("ttl" if not self._unload_requested else "request")
                 return
-            timeouts = [t for t in (self.daemon.wait_timeout(now),
+            timeouts = [t for t in (self.host.wait_timeout(now),
                                     _until(self.lifecycle.unload_at(self.ttl_s), now))
                         if t is not None]
             await self._wait(min(timeouts) if timeouts else None)
             return
-        if new or self.active:
+        if new or running:
             self.lifecycle.use(now)
         await self._step(new, now)
 
     async def _step(self, new: list[Any], now: float) -> None:
-        journal = self.daemon.journal
+        journal = self.journal
         journal.begin_step()  # one journal transaction for the whole step (group commit)
         try:
             await self._step_inner(new, now)
@@ -467,12 +618,13 @@ class ModelService:
         assert self.runner is not None
         adds = []
         for job in new:
-            rec = self.daemon.records[job.id]
+            rec = self.requests.get(job.id)
+            assert rec is not None, job.id  # in the table before its job could be taken
             rec.restart()
-            self.active[job.id] = rec
+            self._held[job.id] = None
             adds.append(AddSeq(id=job.id, prompt=tuple(job.prompt_ids), params=job.params,
                                generated=tuple(rec.tokens)))  # resume by prefill
-        self.daemon.journal.started([a.id for a in adds])
+        self.journal.started([a.id for a in adds])
         added = {a.id for a in adds}
         step_ids = [jid for jid, rec in self.active.items()
                     if jid not in added and self._may_step(jid, rec)]
@@ -506,34 +658,41 @@ class ModelService:
             log.error("model %r: the runner answered %s to a step; the step's requests fail",
                       self.name, reply)
             reply = StepResult(tokens={}, errors={jid: f"runner: {reply}" for jid in
-                                                  self.active}, free_blocks=None, step_s=0.0)
+                                                  self._held}, free_blocks=None, step_s=0.0)
         self.free_blocks = reply.free_blocks
-        self.daemon.metrics.observe_step(self.name, size, len(reply.tokens), reply.step_s)
+        self.metrics.observe_step(self.name, size, len(reply.tokens), reply.step_s)
         for jid, cached in reply.cached.items():
-            rec = self.active.get(jid)
+            rec = self._held_record(jid)
             if rec is not None:  # a resumed attempt's cache may cover generated tokens too
                 rec.cached_tokens = min(cached, rec.prompt_tokens)
         for jid, message in reply.errors.items():
-            rec = self.active.pop(jid, None)
-            self.to_release.append(jid)
+            rec = self._held_record(jid)
+            self._release(jid)
             if rec is not None:
-                self.daemon.requests.finish(jid, Outcome.failed("runner_error", message), now)
+                self.requests.finish(jid, Outcome.failed("runner_error", message), now)
         logprobs = reply.logprobs
         for jid, token in reply.tokens.items():
-            rec = self.active.get(jid)
+            rec = self._held_record(jid)
             if rec is None:
                 continue  # finished, cancelled or failed before this reply: already released
             if rec.done.is_set():  # cancelled or expired while the step ran
-                del self.active[jid]
-                self.to_release.append(jid)
+                self._release(jid)
                 continue
             before = len(rec.tokens)
             finished = rec.push(int(token), logprobs.get(jid))
-            self.daemon.journal.token(rec, before)
+            self.journal.token(rec, before)
             if finished:
-                del self.active[jid]
-                self.to_release.append(jid)
-                self.daemon.requests.finish(jid, Outcome.done(rec.ended or "stop"), now)
+                self._release(jid)
+                self.requests.finish(jid, Outcome.done(rec.ended or "stop"), now)
+
+    def _held_record(self, jid: str) -> RequestRecord | None:
+        """The request of a sequence the runner holds (None: released, or not this model's)."""
+        return self.requests.get(jid) if jid in self._held else None
+
+    def _release(self, jid: str) -> None:
+        """Free `jid`'s sequence in the runner with the next message."""
+        self._held.pop(jid, None)
+        self.to_release.append(jid)
 
     async def _drain_inflight(self) -> None:
         """Wait for the in-flight step and take in its reply (no new message is sent)."""
@@ -547,7 +706,7 @@ class ModelService:
         except RunnerGone:
             self._runner_lost(time.monotonic())
             return
-        journal = self.daemon.journal
+        journal = self.journal
         journal.begin_step()
         try:
             self._take_reply(reply, size)
@@ -565,13 +724,13 @@ class ModelService:
 
     # -- load / unload / loss --------------------------------------------------------------------
     def _runner_args(self) -> list[str]:
-        rt = self.daemon.config.runtime
+        rt = self.runtime
         # auto: llama.cpp uses the cores the runner may use (it decides, inside its cgroup);
         # the numpy engine one BLAS thread (two collapsed 3-4x on a shared 2-core machine)
         threads = rt.threads or (0 if self.engine == "llamacpp" else 1)
         return ["--name", self.name, "--model", str(self.path()),
                 "--engine", self.engine or rt.engine,
-                "--state-dir", str(self.daemon.state_dir), "--dtype", rt.dtype,
+                "--state-dir", str(self.state_dir), "--dtype", rt.dtype,
                 "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
                 "--context", str(self.context), "--threads", str(threads),
                 "--pooling", self.entry.pooling]
@@ -580,22 +739,20 @@ class ModelService:
         now = time.monotonic()
         if isinstance(msg, Progress):
             self._load_progress = (msg.done, msg.total)
-            self.daemon.notifier_extend(f"model {self.name}: preparing weights "
+            self.host.notifier_extend(f"model {self.name}: preparing weights "
                                         f"{self._load_progress[0]}/{self._load_progress[1]}")
         elif msg.state == "warming" and self.lifecycle.state is ModelState.LOADING:
             self.lifecycle.start_warmup(now)
-            self.daemon.notifier_extend(f"model {self.name}: warming up")
+            self.host.notifier_extend(f"model {self.name}: warming up")
 
     def _plan_room(self) -> list[str]:
         """Idle models to evict (LRU) so this one fits; raises BudgetExceeded when it cannot."""
         assert self.budget_bytes is not None
-        sched = self.daemon.scheduler
         loaded = [LoadedModel(s.name, s.budget_bytes or 0, s.lifecycle.last_used or 0.0,
-                              bool(s.active) or s.lifecycle.state is not ModelState.IDLE
-                              or sched.queued(s.name) > 0 or s.embeds > 0)
-                  for s in self.daemon.services.values()
+                              s.in_use())
+                  for s in self.peers().values()
                   if s is not self and s.lifecycle.resident]
-        return plan_load(self.name, self.budget_bytes, self.daemon.memory_limit(), loaded)
+        return plan_load(self.name, self.budget_bytes, self.host.memory_limit(), loaded)
 
     async def _check_budget(self, now: float) -> None:
         """Make room before the runner starts: ask the victims to unload and wait until they
@@ -606,11 +763,11 @@ class ModelService:
                 return
             log.info(f"model {self.name}: evicting idle {', '.join(victims)} "
                      f"(least recently used) to fit the memory limit")
+            peers = self.peers()
             for victim in victims:
-                self.daemon.services[victim].unload_requested = True
-                self.daemon.services[victim].poke()
+                peers[victim].request_unload()
             end = time.monotonic() + EVICT_WAIT_S
-            while any(self.daemon.services[v].lifecycle.resident for v in victims):
+            while any(peers[v].lifecycle.resident for v in victims):
                 left = end - time.monotonic()
                 if left <= 0:
                     raise EvictionTimeout(
@@ -618,7 +775,7 @@ class ModelService:
                         f"not unload within {EVICT_WAIT_S:.0f} s. Hint: check the daemon's log "
                         "for a stuck runner; retry the request.")
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.daemon.wait_settled(), min(left, 1.0))
+                    await asyncio.wait_for(self.host.wait_settled(), min(left, 1.0))
         if self._plan_room():
             raise EvictionTimeout(
                 f"load model {self.name!r}: other models kept being loaded while evicting "
@@ -626,20 +783,20 @@ class ModelService:
                 "models in use at once.")
 
     async def _load(self) -> None:
-        sched = self.daemon.scheduler
+        sched = self.scheduler
         now = time.monotonic()
         self.load_requested = False
-        self.unload_requested = False
+        self._unload_requested = False
         self.lifecycle.start_load(now)
-        self.daemon.notifier_extend(f"model {self.name}: loading")
+        self.host.notifier_extend(f"model {self.name}: loading")
         try:
             self.ensure_tokenizer()
             await self._check_budget(now)
             env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV_DROP}
-            threads = str(self.daemon.config.runtime.threads or 1)
+            threads = str(self.runtime.threads or 1)
             env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
             # models/<name>/ is created now; the runner joins it right after the spawn
-            attach = self.daemon.memory.runner_hook(self.name, self.budget_bytes)
+            attach = self.memory.runner_hook(self.name, self.budget_bytes)
             runner = RunnerHandle(self.name, self._runner_args(), env=env,
                                   on_event=self._on_runner_event, on_gone=self.poke,
                                   on_spawn=attach)
@@ -656,18 +813,18 @@ class ModelService:
                 with contextlib.suppress(Exception):
                     await self.runner.stop()
                 self.runner = None
-            oom = self.daemon.memory.runner_exited(self.name)  # group removed, OOM attributed
+            oom = self.memory.runner_exited(self.name)  # group removed, OOM attributed
             if oom:
                 reason = f"{reason} (runner {oom})"
             now = time.monotonic()
             self.lifecycle.fail(now, reason)
-            self.daemon.journal.model_failed(self.name, reason)
+            self.journal.model_failed(self.name, reason)
             code: EndCode = ("budget_exceeded" if isinstance(exc, BudgetExceeded)
                              else "model_failed")
             for job in sched.fail_queued(self.name, now, reason):
-                self.daemon.requests.finish(job.id, Outcome.failed(code, reason), now)
-            self.daemon.metrics.model_event(self.name, "load_failed")
-            self.daemon.model_settled(self)
+                self.requests.finish(job.id, Outcome.failed(code, reason), now)
+            self.metrics.model_event(self.name, "load_failed")
+            self.host.model_settled(self)
             return
         now = time.monotonic()
         if self.lifecycle.state is ModelState.LOADING:
@@ -681,14 +838,14 @@ class ModelService:
             self.stop_ids = frozenset(ready.stop_ids)
         await self._restore_snapshots()
         self.lifecycle.ready(now, busy=sched.queued(self.name) > 0)
-        self.daemon.journal.model_loaded(self.name, self.path(), ready, self.tokenizer)
-        self.daemon.metrics.model_event(self.name, "load")
-        self.daemon.model_settled(self)
+        self.journal.model_loaded(self.name, self.path(), ready, self.tokenizer)
+        self.metrics.model_event(self.name, "load")
+        self.host.model_settled(self)
 
     async def _take_snapshots(self) -> None:
         """Journal the KV of the slots the finished session turns released (between steps:
         this loop sends nothing else meanwhile), so a restart restores them."""
-        store, runner = self.daemon.journal.store, self.runner
+        store, runner = self.journal.store, self.runner
         todo, self.to_snapshot = self.to_snapshot, {}
         if store is None or runner is None:
             return
@@ -708,7 +865,7 @@ class ModelService:
     async def _restore_snapshots(self) -> None:
         """Load the newest sessions' KV snapshots into the fresh runner's free slots (at most
         max_batch, oldest first, so the newest is evicted last); a refused one is dropped."""
-        store, runner = self.daemon.journal.store, self.runner
+        store, runner = self.journal.store, self.runner
         if store is None or runner is None or self.engine != "llamacpp":
             return
         try:
@@ -729,7 +886,7 @@ class ModelService:
 
     async def _unload(self, why: str) -> None:
         now = time.monotonic()
-        self.unload_requested = False
+        self._unload_requested = False
         self.ttl_override = None  # a keep_alive lasts while the model stays loaded
         self.lifecycle.start_unload(now)
         if self._inflight is not None:  # nothing is active: its reply only has stale tokens
@@ -739,42 +896,43 @@ class ModelService:
         if self.runner is not None:
             await self.runner.stop()
             self.runner = None
-        self.daemon.memory.runner_exited(self.name)  # remove models/<name>/
+        self.memory.runner_exited(self.name)  # remove models/<name>/
         self.lifecycle.unloaded(time.monotonic())
         self.lock = None
         self.free_blocks = None
-        self.daemon.metrics.model_event(self.name, "unload")
-        self.daemon.model_settled(self)
+        self.metrics.model_event(self.name, "unload")
+        self.host.model_settled(self)
 
     def _runner_lost(self, now: float) -> None:
         rc = self.runner.returncode if self.runner else None
         pid = self.runner.pid if self.runner else None
         reason = f"runner (pid {pid}) exited with status {rc}"
-        oom = self.daemon.memory.runner_exited(self.name)  # memory.events first, then rmdir
+        oom = self.memory.runner_exited(self.name)  # memory.events first, then rmdir
         if oom:
             reason = f"runner (pid {pid}) was {oom}"
-        ids = list(self.active)
+        running = self.active
+        ids = list(running)
         # a request that produced a token in this attempt is making progress: its runner's
         # death costs it nothing (max_retries bounds only deaths in a row without progress)
-        progressed = {jid for jid, rec in self.active.items()
+        progressed = {jid for jid, rec in running.items()
                       if len(rec.tokens) > rec.attempt_start}
-        self.active.clear()
+        self._held.clear()
         self.to_release = []
         self._forget_inflight()
-        for job in self.daemon.scheduler.requeue(ids, now, reason=reason,
+        for job in self.scheduler.requeue(ids, now, reason=reason,
                                                  progressed=progressed):
-            rec = self.daemon.records.get(job.id)
+            rec = self.requests.get(job.id)
             if rec is None:
                 continue
             if job.state is JobState.FAILED:
-                self.daemon.requests.finish(job.id, Outcome.failed(
+                self.requests.finish(job.id, Outcome.failed(
                     "runner_failed", job.error or reason), now)
             else:
                 rec.restart()
         self.runner = None
         if self.lifecycle.can_serve:
             self.lifecycle.lost(now, reason)
-        self.daemon.metrics.model_event(self.name, "runner_lost")
+        self.metrics.model_event(self.name, "runner_lost")
         log.warning(f"model {self.name}: {reason}; {len(ids)} running request(s) requeued")
 
 

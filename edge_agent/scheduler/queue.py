@@ -271,6 +271,11 @@ class Scheduler:
         """Running jobs of `model`, in the order they were submitted."""
         return sorted(self._running.get(model, {}).values(), key=lambda j: j.seq)
 
+    def running_ids(self, model: str) -> list[str]:
+        """Ids of the running jobs of `model`, in the order `take` started them (a model
+        loop's batch order; a requeued job starts again at the end)."""
+        return list(self._running.get(model, ()))
+
     def queued(self, model: str) -> int:
         return len(self._queued.get(model, ()))
 
