@@ -61,9 +61,20 @@ from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import DaemonBackend, Uarts, serial_ports
-from edge_agent.errors import EXIT_ERROR, ConfigError, EdgeAgentError
+from edge_agent.errors import (
+    EXIT_ERROR,
+    ConfigError,
+    ContextExceeded,
+    EdgeAgentError,
+    InvalidRequest,
+    JournalFailed,
+    ModelFailed,
+    ModelNotFound,
+    RequestQueueFull,
+    ShuttingDown,
+)
 from edge_agent.journal import StateDirLock
-from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.protocol.api import GenerationRequest
 from edge_agent.scheduler import Job, ModelState, QueueFull, Scheduler
 from edge_agent.transports.http import HttpServer, Request, Response
 
@@ -240,30 +251,32 @@ class Daemon:
 
     def submit(self, req: GenerationRequest) -> RequestRecord:
         if self.stopping:
-            raise ApiError(503, "shutting_down", "the daemon is shutting down. "
-                           "Hint: retry when it is back (systemd restarts it).",
-                           headers=[("retry-after", "5")])
+            raise ShuttingDown("the daemon is shutting down. "
+                               "Hint: retry when it is back (systemd restarts it).",
+                               retry_after_s=5)
         self.journal.check_admission()  # 507 + Retry-After while the journal cannot be written
         self.memory.check_admission()  # 503 + Retry-After from pressure stage 2 on
         name = req.model or self.config.default_model
         svc = self.services.get(name)
         if svc is None:
-            raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
-                           f"(registered: {', '.join(sorted(self.services))}). "
-                           "Hint: GET /v1/models lists them; add a [models.NAME] table.")
+            raise ModelNotFound(f"field 'model': no model named {name!r} "
+                                f"(registered: {', '.join(sorted(self.services))}). "
+                                "Hint: GET /v1/models lists them; add a [models.NAME] table.",
+                                name=name)
         if req.session is not None and not req.chat:
-            raise ApiError(400, "invalid_request", f"field 'session': session "
-                           f"{req.session!r} is a conversation of chat messages; a plain "
-                           "prompt cannot continue it. Hint: send it to /v1/chat/completions "
-                           "(or POST /v1/requests) with \"messages\", or drop \"session\" and "
-                           "send the whole prompt.")
+            raise InvalidRequest(f"field 'session': session "
+                                 f"{req.session!r} is a conversation of chat messages; a plain "
+                                 "prompt cannot continue it. Hint: send it to "
+                                 "/v1/chat/completions (or POST /v1/requests) with "
+                                 "\"messages\", or drop \"session\" and send the whole prompt.")
         tok = self._tokenizer(svc)
         size = int(tok.vocab_size)
         for tid, _ in req.logit_bias:
             if tid >= size:
-                raise ApiError(400, "invalid_request", f"field 'logit_bias.{tid}': token id "
-                               f"{tid} is outside the vocabulary 0..{size - 1} of model "
-                               f"{name!r}. Hint: use ids this model's POST /tokenize returns.")
+                raise InvalidRequest(f"field 'logit_bias.{tid}': token id "
+                                     f"{tid} is outside the vocabulary 0..{size - 1} of model "
+                                     f"{name!r}. Hint: use ids this model's POST /tokenize "
+                                     "returns.")
         if req.session is not None:  # history + the new turn (daemon/sessions.py)
             prompt_ids = self.sessions.prompt_ids(req, name, tok)
         elif req.chat:
@@ -272,21 +285,22 @@ class Daemon:
             prompt_ids = list(tok.encode(req.prompt or ""))
         field = "messages" if req.chat else "prompt"
         if not prompt_ids:
-            raise ApiError(400, "invalid_request", f"field {field!r}: encodes to no tokens. "
-                           "Hint: send some text.")
+            raise InvalidRequest(f"field {field!r}: encodes to no tokens. "
+                                 "Hint: send some text.")
         if len(prompt_ids) >= svc.context and req.session is not None:
             sid = req.session
-            raise ApiError(400, "context_exceeded", f"field {field!r}: session {sid!r} has "
-                           f"outgrown the context: its history and this turn are "
-                           f"{len(prompt_ids)} tokens, the context of model {name!r} is "
-                           f"{svc.context}; the session's history is kept as it was. Hint: "
-                           f"reset it (DELETE /v1/sessions/{sid} forgets its history; then "
-                           "send this turn again, with whatever earlier context it needs) or "
-                           "continue under a new session id.")
+            raise ContextExceeded(f"field {field!r}: session {sid!r} has "
+                                  f"outgrown the context: its history and this turn are "
+                                  f"{len(prompt_ids)} tokens, the context of model {name!r} is "
+                                  f"{svc.context}; the session's history is kept as it was. "
+                                  f"Hint: reset it (DELETE /v1/sessions/{sid} forgets its "
+                                  "history; then send this turn again, with whatever earlier "
+                                  "context it needs) or continue under a new session id.")
         if len(prompt_ids) >= svc.context:
-            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
-                           f"do not fit the context of {svc.context} tokens of model "
-                           f"{name!r}. Hint: shorten the prompt or raise the model's context.")
+            raise ContextExceeded(f"field {field!r}: {len(prompt_ids)} tokens "
+                                  f"do not fit the context of {svc.context} tokens of model "
+                                  f"{name!r}. Hint: shorten the prompt or raise the model's "
+                                  "context.")
         params = req.sampling_dict(secrets.randbits(32))
         grammar = structured.grammar_for(req, tok)  # 400 when the schema cannot be used
         if grammar is not None:
@@ -302,9 +316,8 @@ class Daemon:
             self.scheduler.submit(job, now)
         except QueueFull as exc:
             self.metrics.requests[(name, "rejected")] += 1
-            raise ApiError(503, "queue_full", str(exc),
-                           headers=[("retry-after", str(int(exc.retry_after_s + 0.999)))]
-                           ) from exc
+            raise RequestQueueFull(str(exc), retry_after_s=int(exc.retry_after_s + 0.999)
+                                   ) from exc
         rec = RequestRecord(job=job, request=req, model=name, decoder=_decoder(tok),
                             prompt_tokens=len(prompt_ids), stop_ids=svc.stop_ids,
                             context=svc.context)
@@ -314,8 +327,8 @@ class Daemon:
             self.scheduler.cancel(job.id, time.monotonic())
             if not self.journal.writable:  # the storage refused: 507, as for the next ones
                 raise self.journal.unavailable() from exc
-            raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
-                           headers=[("retry-after", "5")]) from exc
+            raise JournalFailed(f"the request could not be journaled: {exc}",
+                                retry_after_s=5) from exc
         self.requests.add(rec)
         if req.session is not None:
             self.sessions.claim(req.session, job.id)
@@ -340,8 +353,8 @@ class Daemon:
                 self.journal.model_failed(svc.name, reason)
                 self.metrics.model_event(svc.name, "load_failed")
                 self.model_settled(svc)
-            raise ApiError(503, "model_failed", f"model {svc.name!r} cannot be used: {reason}"
-                           ) from exc
+            raise ModelFailed(f"model {svc.name!r} cannot be used: {reason}", name=svc.name
+                              ) from exc
         self._note_context(svc)
         return tok
 
