@@ -66,8 +66,6 @@ COMPOSITION_ROOT = "edge_agent/daemon/app.py"
 RUNS_THE_ROOT = {"edge_agent/commands/serve.py"}
 # to narrow next: these still take the whole Daemon (TYPE_CHECKING imports included)
 DAEMON_USERS_TO_NARROW = {
-    "edge_agent/daemon/ollama.py",
-    "edge_agent/daemon/routes.py",
     "edge_agent/daemon/service.py",
 }
 

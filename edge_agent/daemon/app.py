@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -50,7 +49,9 @@ from typing import Any
 from edge_agent.cgroup import CgroupIO
 from edge_agent.daemon import structured
 from edge_agent.daemon.durable import DaemonJournal
+from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.flashing import FlashService
+from edge_agent.daemon.health import cgroup_info, health_body, model_gauges
 from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.outcome import Outcome
@@ -75,8 +76,9 @@ from edge_agent.errors import (
 )
 from edge_agent.journal import StateDirLock
 from edge_agent.protocol.api import GenerationRequest
+from edge_agent.protocol.embeddings import EmbeddingsRequest
 from edge_agent.scheduler import Job, ModelState, QueueFull, Scheduler
-from edge_agent.transports.http import HttpServer, Request, Response
+from edge_agent.transports.http import HttpServer
 
 __all__ = ["Daemon"]
 
@@ -88,26 +90,6 @@ log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
 _GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_sources",
                   "edge_agent.cgroup")
-
-
-class _Router(Router):
-    """The routes, with /health reporting the core's own faults (Daemon.degraded)."""
-
-    d: Daemon
-
-    async def health(self, req: Request) -> Response:
-        resp = await super().health(req)
-        reasons = self.d.degraded()
-        body = json.loads(resp.body)
-        body["degraded"] = reasons
-        for name, note in self.d.context_notes.items():
-            if isinstance(body.get("models", {}).get(name), dict):
-                body["models"][name]["context_note"] = note
-        status = resp.status
-        if reasons and body.get("status") == "serving":
-            body["status"], status = "degraded", 503
-        return Response(status, json.dumps(body, ensure_ascii=False).encode(),
-                        headers=resp.headers)
 
 
 class Daemon:
@@ -160,13 +142,24 @@ class Daemon:
         self.context_notes: dict[str, str] = {}  # model -> why its context was capped
         self._dead: dict[str, float] = {}  # core task -> when it is restarted (monotonic)
         self._deaths: dict[str, list[float]] = {}
-        self.http = HttpServer(_Router(self).handle, max_body_bytes=config.server.max_body_bytes,
+        self.http = HttpServer(Router(self).handle, max_body_bytes=config.server.max_body_bytes,
                                drain_timeout_s=config.server.drain_timeout_s)
 
     @property
     def records(self) -> Mapping[str, RequestRecord]:
         """The requests by id (read-only: they are added and ended through `requests`)."""
         return self.requests.records
+
+    @property
+    def default_model(self) -> str:
+        """The model a request that names none goes to (`default_model` of the config)."""
+        return str(self.config.default_model)
+
+    def find_request(self, rid: str) -> RequestRecord | None:
+        """A request by id: a live or recently finished one, else one the journal still holds
+        (finished earlier, or before a restart); None when neither knows it."""
+        rec = self.records.get(rid)
+        return rec if rec is not None else self.journal.rebuild(rid)
 
     # -- small services for the model loops and routes -----------------------------------------
     def request_exit(self) -> None:
@@ -201,8 +194,6 @@ class Daemon:
         await self._settled.wait()
 
     def memory_limit(self) -> int:
-        from edge_agent.daemon.routes import cgroup_info
-
         # the service cgroup's memory.max (ours when managed), capped by a configured budget
         limits = [int(b) for b in (self.config.runtime.memory_budget_bytes,) if b]
         cg = self.memory.service_memory_max()
@@ -237,6 +228,30 @@ class Daemon:
             if svc is not None:
                 svc.poke()
         return rec
+
+    def health(self) -> dict[str, Any]:
+        """/health's body (daemon/health.py): "serving" only when nothing degrades it."""
+        return health_body(
+            status=self.status(), started=self.started, services=self.services,
+            queue={"depth": self.scheduler.depth, "queue_max": self.scheduler.config.queue_max,
+                   **self.scheduler.counts()},
+            cgroup=self.memory.health(), pressure=self.memory.pressure_dict(),
+            socket=str(self.config.server.socket), journal=self.journal.health(),
+            degraded=self.degraded(), context_notes=self.context_notes)
+
+    def metrics_text(self) -> str:
+        """/metrics: the daemon's counters and model gauges, then the memory guard's."""
+        return self.metrics.render(lambda: model_gauges(
+            self.services.values(), depth=self.scheduler.depth, queued=self.scheduler.queued)
+        ) + self.memory.render_metrics()
+
+    async def embed(self, req: EmbeddingsRequest) -> dict[str, Any]:
+        """POST /v1/embeddings (daemon/embeddings.py): admitted as a generation is, not
+        journaled; OpenAI's reply body."""
+        return await create_embeddings(
+            req, stopping=self.stopping, check_admission=self.memory.check_admission,
+            services=self.services, default_model=self.config.default_model,
+            tokenizer=self._tokenizer)
 
     def degraded(self) -> list[str]:
         """Why the daemon cannot serve fully right now ([] when it can)."""
