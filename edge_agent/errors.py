@@ -15,6 +15,12 @@ __all__ = [
     "ShuttingDown",
     "AdmissionRefused",
     "ModelNotFound",
+    "ModelFailed",
+    "InvalidRequest",
+    "ContextExceeded",
+    "RequestQueueFull",
+    "JournalFailed",
+    "JournalNotWritable",
     "PortNotOwned",
     "FlashBusy",
     "FlashJobNotFound",
@@ -92,6 +98,44 @@ class ModelNotFound(ServiceError):
     def __init__(self, message: str, *, name: str) -> None:
         super().__init__(message)
         self.name = name
+
+
+class ModelFailed(ServiceError):
+    """The model `name` cannot be used (its file gives no tokenizer, or its load failed)."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class InvalidRequest(ServiceError):
+    """A request the daemon cannot run as sent, though it parsed (a token id outside the
+    model's vocabulary, a prompt of no tokens, a session on a plain prompt); the message starts
+    with "field 'x': "."""
+
+
+class ContextExceeded(InvalidRequest):
+    """The prompt (with its session's history) does not fit the model's context."""
+
+
+class RequestQueueFull(ServiceError):
+    """The scheduler's queue holds `queue_max` requests; `retry_after_s` is its estimate of
+    when one has left."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+
+class JournalFailed(ServiceError):
+    """A new request could not be journaled (not a storage fault: the journal stays writable)."""
+
+
+class JournalNotWritable(ServiceError):
+    """The journal cannot be written (full or faulty storage): no request is accepted until a
+    write succeeds again; `retry_after_s` is the next write attempt."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class PortNotOwned(ServiceError):

@@ -45,9 +45,8 @@ class FakeDaemon:
     """Router's view of the daemon for /v1/requests*: submit encodes the text as the tokenizer
     and journal do (text they cannot encode would surface as a 503 `unavailable`)."""
 
-    def __init__(self) -> None:
-        self.records: dict[str, Any] = {}
-        self.journal = SimpleNamespace(rebuild=lambda rid: None)
+    def find_request(self, rid: str) -> Any:
+        return None  # no request is known
 
     def submit(self, greq: GenerationRequest) -> Any:
         texts = [greq.prompt] if greq.prompt is not None else [

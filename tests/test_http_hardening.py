@@ -47,9 +47,10 @@ class FakeDaemon:
     up as the EdgeAgentError (503 `unavailable`) it used to become."""
 
     def __init__(self) -> None:
-        self.records: dict[str, Any] = {}
-        self.journal = SimpleNamespace(rebuild=lambda rid: None)
         self.submitted: list[Any] = []
+
+    def find_request(self, rid: str) -> Any:
+        return None  # no request is known
 
     def submit(self, greq: Any) -> Any:
         texts = [greq.prompt] if greq.prompt is not None else [m.content for m in greq.messages]
@@ -66,7 +67,8 @@ class Handler:
     """/health answers at once, /slow blocks until released, anything else goes to Router."""
 
     def __init__(self) -> None:
-        self.router = Router(FakeDaemon())  # type: ignore[arg-type]  # a fake with what the routes use
+        self.daemon = FakeDaemon()
+        self.router = Router(self.daemon)  # type: ignore[arg-type]  # a fake with what the routes use
         self.release = asyncio.Event()
         self.running = 0
 
@@ -200,7 +202,7 @@ def test_lone_surrogate_through_the_router_is_400_not_503() -> None:
             status, err = status_and_error(out)
             assert (status, err["code"]) == (400, "invalid_request"), out
             assert "'prompt'" in err["message"]
-            assert not h.router.d.submitted
+            assert not h.daemon.submitted
     run(main())
 
 

@@ -28,8 +28,9 @@ from journal_harness import daemon_journal
 
 from edge_agent.config import load_config
 from edge_agent.daemon.outcome import Outcome
+from edge_agent.errors import JournalNotWritable
 from edge_agent.journal import JournalError, JournalStore, open_journal
-from edge_agent.protocol.api import ApiError, parse_generation
+from edge_agent.protocol.api import api_error, parse_generation
 from edge_agent.scheduler import Job
 
 # -- a real small file system ---------------------------------------------------------------------
@@ -159,9 +160,9 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
         assert fault is not None and "full" in fault["reason"], fault
         assert dj.health()["fault"]["reason"] == fault["reason"]
         assert any("journal" in ln and "Hint:" in ln for ln in log_lines), log_lines
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(JournalNotWritable) as refused:
             dj.check_admission()
-        err = refused.value
+        err = api_error(refused.value)  # the HTTP answer
         assert err.status == 507 and err.code == "journal_unavailable"
         assert "full" in err.message and "Hint:" in err.message
         retry = dict(err.headers)["retry-after"]
@@ -274,16 +275,17 @@ def test_daemon_refuses_with_507_and_says_degraded_until_space_returns(
         status, h = await _health(d)
         assert (status, h["status"]) == (200, "serving")
         filler = fill(small_fs)
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(JournalNotWritable) as refused:
             d.submit(parse_generation({"prompt": "Hello", "max_tokens": 4}, chat=False,
                                       max_tokens_limit=64))
-        assert refused.value.status == 507 and refused.value.code == "journal_unavailable"
-        assert "retry-after" in dict(refused.value.headers)
+        err = api_error(refused.value)  # the HTTP answer
+        assert err.status == 507 and err.code == "journal_unavailable"
+        assert "retry-after" in dict(err.headers)
         status, h = await _health(d)
         assert (status, h["status"]) == (503, "degraded"), h
         assert any("full" in r for r in h["degraded"]), h["degraded"]
         t0 = time.monotonic()  # refused at once, not after a timeout
-        with pytest.raises(ApiError):
+        with pytest.raises(JournalNotWritable):
             d.submit(parse_generation({"prompt": "Hello", "max_tokens": 4}, chat=False,
                                       max_tokens_limit=64))
         assert time.monotonic() - t0 < 0.5

@@ -64,11 +64,6 @@ def test_the_check_sees_a_violation(tmp_path: Path) -> None:
 # protocols and callables). commands/serve.py runs it.
 COMPOSITION_ROOT = "edge_agent/daemon/app.py"
 RUNS_THE_ROOT = {"edge_agent/commands/serve.py"}
-# to narrow next: these still take the whole Daemon (TYPE_CHECKING imports included)
-DAEMON_USERS_TO_NARROW = {
-    "edge_agent/daemon/ollama.py",
-    "edge_agent/daemon/routes.py",
-}
 
 
 def _imports_daemon_app(path: Path) -> bool:
@@ -89,9 +84,9 @@ def _imports_daemon_app(path: Path) -> bool:
 def test_only_the_composition_root_imports_the_daemon() -> None:
     users = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "edge_agent").rglob("*.py"))
              if _imports_daemon_app(p)}
-    allowed = {COMPOSITION_ROOT} | RUNS_THE_ROOT | DAEMON_USERS_TO_NARROW
-    assert users - allowed == set(), "collaborators get a Protocol or callables, not the Daemon"
-    assert DAEMON_USERS_TO_NARROW <= users, "narrowed: drop it from DAEMON_USERS_TO_NARROW"
+    assert users - {COMPOSITION_ROOT} - RUNS_THE_ROOT == set(), (
+        "collaborators get a Protocol or callables, not the Daemon")
+    assert RUNS_THE_ROOT <= users  # the check sees the one module that runs the root
 
 
 def test_the_daemon_check_sees_every_import_form(tmp_path: Path) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -50,7 +49,9 @@ from typing import Any
 from edge_agent.cgroup import CgroupIO
 from edge_agent.daemon import structured
 from edge_agent.daemon.durable import DaemonJournal
+from edge_agent.daemon.embeddings import create_embeddings
 from edge_agent.daemon.flashing import FlashService
+from edge_agent.daemon.health import cgroup_info, health_body, model_gauges
 from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.outcome import Outcome
@@ -61,11 +62,23 @@ from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
 from edge_agent.daemon.uart_backend import DaemonBackend, Uarts, serial_ports
-from edge_agent.errors import EXIT_ERROR, ConfigError, EdgeAgentError
+from edge_agent.errors import (
+    EXIT_ERROR,
+    ConfigError,
+    ContextExceeded,
+    EdgeAgentError,
+    InvalidRequest,
+    JournalFailed,
+    ModelFailed,
+    ModelNotFound,
+    RequestQueueFull,
+    ShuttingDown,
+)
 from edge_agent.journal import StateDirLock
-from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.protocol.api import GenerationRequest
+from edge_agent.protocol.embeddings import EmbeddingsRequest
 from edge_agent.scheduler import Job, ModelState, QueueFull, Scheduler
-from edge_agent.transports.http import HttpServer, Request, Response
+from edge_agent.transports.http import HttpServer
 
 __all__ = ["Daemon"]
 
@@ -77,26 +90,6 @@ log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
 _GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_sources",
                   "edge_agent.cgroup")
-
-
-class _Router(Router):
-    """The routes, with /health reporting the core's own faults (Daemon.degraded)."""
-
-    d: Daemon
-
-    async def health(self, req: Request) -> Response:
-        resp = await super().health(req)
-        reasons = self.d.degraded()
-        body = json.loads(resp.body)
-        body["degraded"] = reasons
-        for name, note in self.d.context_notes.items():
-            if isinstance(body.get("models", {}).get(name), dict):
-                body["models"][name]["context_note"] = note
-        status = resp.status
-        if reasons and body.get("status") == "serving":
-            body["status"], status = "degraded", 503
-        return Response(status, json.dumps(body, ensure_ascii=False).encode(),
-                        headers=resp.headers)
 
 
 class Daemon:
@@ -155,13 +148,24 @@ class Daemon:
         self.context_notes: dict[str, str] = {}  # model -> why its context was capped
         self._dead: dict[str, float] = {}  # core task -> when it is restarted (monotonic)
         self._deaths: dict[str, list[float]] = {}
-        self.http = HttpServer(_Router(self).handle, max_body_bytes=config.server.max_body_bytes,
+        self.http = HttpServer(Router(self).handle, max_body_bytes=config.server.max_body_bytes,
                                drain_timeout_s=config.server.drain_timeout_s)
 
     @property
     def records(self) -> Mapping[str, RequestRecord]:
         """The requests by id (read-only: they are added and ended through `requests`)."""
         return self.requests.records
+
+    @property
+    def default_model(self) -> str:
+        """The model a request that names none goes to (`default_model` of the config)."""
+        return str(self.config.default_model)
+
+    def find_request(self, rid: str) -> RequestRecord | None:
+        """A request by id: a live or recently finished one, else one the journal still holds
+        (finished earlier, or before a restart); None when neither knows it."""
+        rec = self.records.get(rid)
+        return rec if rec is not None else self.journal.rebuild(rid)
 
     # -- small services for the model loops and routes -----------------------------------------
     def request_exit(self) -> None:
@@ -196,8 +200,6 @@ class Daemon:
         await self._settled.wait()
 
     def memory_limit(self) -> int:
-        from edge_agent.daemon.routes import cgroup_info
-
         # the service cgroup's memory.max (ours when managed), capped by a configured budget
         limits = [int(b) for b in (self.config.runtime.memory_budget_bytes,) if b]
         cg = self.memory.service_memory_max()
@@ -233,6 +235,30 @@ class Daemon:
                 svc.poke()
         return rec
 
+    def health(self) -> dict[str, Any]:
+        """/health's body (daemon/health.py): "serving" only when nothing degrades it."""
+        return health_body(
+            status=self.status(), started=self.started, services=self.services,
+            queue={"depth": self.scheduler.depth, "queue_max": self.scheduler.config.queue_max,
+                   **self.scheduler.counts()},
+            cgroup=self.memory.health(), pressure=self.memory.pressure_dict(),
+            socket=str(self.config.server.socket), journal=self.journal.health(),
+            degraded=self.degraded(), context_notes=self.context_notes)
+
+    def metrics_text(self) -> str:
+        """/metrics: the daemon's counters and model gauges, then the memory guard's."""
+        return self.metrics.render(lambda: model_gauges(
+            self.services.values(), depth=self.scheduler.depth, queued=self.scheduler.queued)
+        ) + self.memory.render_metrics()
+
+    async def embed(self, req: EmbeddingsRequest) -> dict[str, Any]:
+        """POST /v1/embeddings (daemon/embeddings.py): admitted as a generation is, not
+        journaled; OpenAI's reply body."""
+        return await create_embeddings(
+            req, stopping=self.stopping, check_admission=self.memory.check_admission,
+            services=self.services, default_model=self.config.default_model,
+            tokenizer=self._tokenizer)
+
     def degraded(self) -> list[str]:
         """Why the daemon cannot serve fully right now ([] when it can)."""
         reasons = []
@@ -246,30 +272,32 @@ class Daemon:
 
     def submit(self, req: GenerationRequest) -> RequestRecord:
         if self.stopping:
-            raise ApiError(503, "shutting_down", "the daemon is shutting down. "
-                           "Hint: retry when it is back (systemd restarts it).",
-                           headers=[("retry-after", "5")])
+            raise ShuttingDown("the daemon is shutting down. "
+                               "Hint: retry when it is back (systemd restarts it).",
+                               retry_after_s=5)
         self.journal.check_admission()  # 507 + Retry-After while the journal cannot be written
         self.memory.check_admission()  # 503 + Retry-After from pressure stage 2 on
         name = req.model or self.config.default_model
         svc = self.services.get(name)
         if svc is None:
-            raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
-                           f"(registered: {', '.join(sorted(self.services))}). "
-                           "Hint: GET /v1/models lists them; add a [models.NAME] table.")
+            raise ModelNotFound(f"field 'model': no model named {name!r} "
+                                f"(registered: {', '.join(sorted(self.services))}). "
+                                "Hint: GET /v1/models lists them; add a [models.NAME] table.",
+                                name=name)
         if req.session is not None and not req.chat:
-            raise ApiError(400, "invalid_request", f"field 'session': session "
-                           f"{req.session!r} is a conversation of chat messages; a plain "
-                           "prompt cannot continue it. Hint: send it to /v1/chat/completions "
-                           "(or POST /v1/requests) with \"messages\", or drop \"session\" and "
-                           "send the whole prompt.")
+            raise InvalidRequest(f"field 'session': session "
+                                 f"{req.session!r} is a conversation of chat messages; a plain "
+                                 "prompt cannot continue it. Hint: send it to "
+                                 "/v1/chat/completions (or POST /v1/requests) with "
+                                 "\"messages\", or drop \"session\" and send the whole prompt.")
         tok = self._tokenizer(svc)
         size = int(tok.vocab_size)
         for tid, _ in req.logit_bias:
             if tid >= size:
-                raise ApiError(400, "invalid_request", f"field 'logit_bias.{tid}': token id "
-                               f"{tid} is outside the vocabulary 0..{size - 1} of model "
-                               f"{name!r}. Hint: use ids this model's POST /tokenize returns.")
+                raise InvalidRequest(f"field 'logit_bias.{tid}': token id "
+                                     f"{tid} is outside the vocabulary 0..{size - 1} of model "
+                                     f"{name!r}. Hint: use ids this model's POST /tokenize "
+                                     "returns.")
         if req.session is not None:  # history + the new turn (daemon/sessions.py)
             prompt_ids = self.sessions.prompt_ids(req, name, tok)
         elif req.chat:
@@ -278,21 +306,22 @@ class Daemon:
             prompt_ids = list(tok.encode(req.prompt or ""))
         field = "messages" if req.chat else "prompt"
         if not prompt_ids:
-            raise ApiError(400, "invalid_request", f"field {field!r}: encodes to no tokens. "
-                           "Hint: send some text.")
+            raise InvalidRequest(f"field {field!r}: encodes to no tokens. "
+                                 "Hint: send some text.")
         if len(prompt_ids) >= svc.context and req.session is not None:
             sid = req.session
-            raise ApiError(400, "context_exceeded", f"field {field!r}: session {sid!r} has "
-                           f"outgrown the context: its history and this turn are "
-                           f"{len(prompt_ids)} tokens, the context of model {name!r} is "
-                           f"{svc.context}; the session's history is kept as it was. Hint: "
-                           f"reset it (DELETE /v1/sessions/{sid} forgets its history; then "
-                           "send this turn again, with whatever earlier context it needs) or "
-                           "continue under a new session id.")
+            raise ContextExceeded(f"field {field!r}: session {sid!r} has "
+                                  f"outgrown the context: its history and this turn are "
+                                  f"{len(prompt_ids)} tokens, the context of model {name!r} is "
+                                  f"{svc.context}; the session's history is kept as it was. "
+                                  f"Hint: reset it (DELETE /v1/sessions/{sid} forgets its "
+                                  "history; then send this turn again, with whatever earlier "
+                                  "context it needs) or continue under a new session id.")
         if len(prompt_ids) >= svc.context:
-            raise ApiError(400, "context_exceeded", f"field {field!r}: {len(prompt_ids)} tokens "
-                           f"do not fit the context of {svc.context} tokens of model "
-                           f"{name!r}. Hint: shorten the prompt or raise the model's context.")
+            raise ContextExceeded(f"field {field!r}: {len(prompt_ids)} tokens "
+                                  f"do not fit the context of {svc.context} tokens of model "
+                                  f"{name!r}. Hint: shorten the prompt or raise the model's "
+                                  "context.")
         params = req.sampling_dict(secrets.randbits(32))
         grammar = structured.grammar_for(req, tok)  # 400 when the schema cannot be used
         if grammar is not None:
@@ -308,9 +337,8 @@ class Daemon:
             self.scheduler.submit(job, now)
         except QueueFull as exc:
             self.metrics.requests[(name, "rejected")] += 1
-            raise ApiError(503, "queue_full", str(exc),
-                           headers=[("retry-after", str(int(exc.retry_after_s + 0.999)))]
-                           ) from exc
+            raise RequestQueueFull(str(exc), retry_after_s=int(exc.retry_after_s + 0.999)
+                                   ) from exc
         rec = RequestRecord(job=job, request=req, model=name, decoder=_decoder(tok),
                             prompt_tokens=len(prompt_ids), stop_ids=svc.stop_ids,
                             context=svc.context)
@@ -320,8 +348,8 @@ class Daemon:
             self.scheduler.cancel(job.id, time.monotonic())
             if not self.journal.writable:  # the storage refused: 507, as for the next ones
                 raise self.journal.unavailable() from exc
-            raise ApiError(503, "journal_failed", f"the request could not be journaled: {exc}",
-                           headers=[("retry-after", "5")]) from exc
+            raise JournalFailed(f"the request could not be journaled: {exc}",
+                                retry_after_s=5) from exc
         self.requests.add(rec)
         if req.session is not None:
             self.sessions.claim(req.session, job.id)
@@ -346,8 +374,8 @@ class Daemon:
                 self.journal.model_failed(svc.name, reason)
                 self.metrics.model_event(svc.name, "load_failed")
                 self.model_settled(svc)
-            raise ApiError(503, "model_failed", f"model {svc.name!r} cannot be used: {reason}"
-                           ) from exc
+            raise ModelFailed(f"model {svc.name!r} cannot be used: {reason}", name=svc.name
+                              ) from exc
         self._note_context(svc)
         return tok
 

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from edge_agent.daemon.ipc import Ready
 from edge_agent.daemon.outcome import Outcome
 from edge_agent.daemon.requests import RequestRecord
+from edge_agent.errors import JournalNotWritable
 from edge_agent.journal import (
     JournalConflictError,
     JournalError,
@@ -72,7 +73,7 @@ from edge_agent.journal import (
     open_journal,
     recover,
 )
-from edge_agent.protocol.api import ApiError, ChatMessage, GenerationRequest
+from edge_agent.protocol.api import ChatMessage, GenerationRequest
 from edge_agent.scheduler import Job, JobState, QueueFull
 
 if TYPE_CHECKING:
@@ -303,19 +304,18 @@ class DaemonJournal:
         pause (no new step, no new job) and new requests are refused."""
         return self.fault is None
 
-    def unavailable(self) -> ApiError:
-        """The 507 a new request gets while the journal is faulted."""
+    def unavailable(self) -> JournalNotWritable:
+        """The refusal a new request gets while the journal is faulted (507 on HTTP)."""
         fault = self.fault or {"reason": "not writable", "since": time.time(), "failures": 0}
         retry = max(1, math.ceil(self._next_try - time.monotonic()))
         since = time.strftime("%H:%M:%SZ", time.gmtime(fault["since"]))
-        return ApiError(
-            507, "journal_unavailable",
+        return JournalNotWritable(
             f"the journal cannot be written ({fault['reason']}; since {since}, "
             f"{fault['failures']} failed write(s)): a request cannot be accepted without being "
             "journaled; running requests are paused and continue once a write succeeds. Hint: "
             f"free space on the file system of {self.path.parent} (df -h {self.path.parent}) "
             "or check the device (dmesg); the daemon retries by itself, retry the request "
-            f"in {retry} s.", headers=[("retry-after", str(retry))])
+            f"in {retry} s.", retry_after_s=retry)
 
     def check_admission(self) -> None:
         """Raise the 507 while the journal is faulted (before anything else is done)."""

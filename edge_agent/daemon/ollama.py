@@ -1,9 +1,11 @@
 """Ollama's API routes (`/api/*` and `GET /`): protocol/ollama.py's requests onto the daemon.
 
 Invariants owned here:
-- Generation goes through the same daemon operations as the OpenAI routes (`Daemon.submit`,
-  `Daemon.cancel`, `RequestRecord.follow`): the same tokenizer and chat template, scheduler,
-  journal and sampling, so a request gives the same tokens through either API.
+- The handlers know the daemon only as a `ModelHost` (daemon/gateway.py): the model services,
+  submit, cancel and embed.
+- Generation goes through the same daemon operations as the OpenAI routes (`submit`, `cancel`,
+  `RequestRecord.follow`): the same tokenizer and chat template, scheduler, journal and
+  sampling, so a request gives the same tokens through either API.
 - `keep_alive` sets the model's idle unload (`ModelService.ttl_override`) for as long as it
   stays loaded; every Ollama generation request sets it (absent: the configured ttl_s), as
   Ollama's server does. An empty prompt (or no messages) loads the model, or with
@@ -31,10 +33,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edge_agent.daemon import structured
-from edge_agent.daemon.embeddings import create_embeddings
+from edge_agent.daemon.gateway import ModelHost, ServedModel
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol.api import ApiError, end_error
@@ -61,10 +63,6 @@ from edge_agent.protocol.ollama import (
 )
 from edge_agent.scheduler import ModelState
 from edge_agent.transports.http import Request, Response, StreamResponse
-
-if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
-    from edge_agent.daemon.service import ModelService
 
 __all__ = ["OllamaRoutes", "load_seconds"]
 
@@ -122,8 +120,8 @@ def _json(status: int, obj: Any) -> Response:
 class OllamaRoutes:
     """The handlers; `table()` gives their rows for the Router's route table."""
 
-    def __init__(self, daemon: Daemon, *, max_tokens_limit: int) -> None:
-        self.d = daemon
+    def __init__(self, host: ModelHost, *, max_tokens_limit: int) -> None:
+        self.host = host
         self.max_tokens_limit = max_tokens_limit
         self._cards: dict[tuple[str, int, int, int, int], _Card] = {}
 
@@ -141,15 +139,15 @@ class OllamaRoutes:
         ]
 
     # -- helpers -------------------------------------------------------------------------------
-    def _service(self, model: str) -> ModelService:
-        svc = self.d.services.get(model_name(model))
+    def _service(self, model: str) -> ServedModel:
+        svc = self.host.services.get(model_name(model))
         if svc is None:
             raise ApiError(404, "model_not_found", f"model {model!r} not found (models here: "
-                           f"{', '.join(sorted(self.d.services))}). Hint: GET /api/tags lists "
+                           f"{', '.join(sorted(self.host.services))}). Hint: GET /api/tags lists "
                            "them; a [models.NAME] table in the configuration adds a GGUF.")
         return svc
 
-    async def _card(self, svc: ModelService) -> _Card:
+    async def _card(self, svc: ServedModel) -> _Card:
         path = svc.path()
         try:
             st = os.stat(path)
@@ -165,7 +163,7 @@ class OllamaRoutes:
         return card
 
     @staticmethod
-    def _keep_alive(svc: ModelService, ka: KeepAlive | None) -> None:
+    def _keep_alive(svc: ServedModel, ka: KeepAlive | None) -> None:
         svc.ttl_override = None if ka is None else (ka.seconds,)
         svc.poke()  # its loop recomputes when the idle model unloads
 
@@ -186,11 +184,7 @@ class OllamaRoutes:
         svc = self._service(oreq.model)
         t0 = time.monotonic()
         loaded = svc.lifecycle.state in (ModelState.SERVING, ModelState.IDLE)
-        d = self.d
-        body = await create_embeddings(
-            dataclasses.replace(oreq.request, model=svc.name), stopping=d.stopping,
-            check_admission=d.memory.check_admission, services=d.services,
-            default_model=svc.name, tokenizer=d._tokenizer)
+        body = await self.host.embed(dataclasses.replace(oreq.request, model=svc.name))
         self._keep_alive(svc, oreq.keep_alive)
         vectors = [item["embedding"] for item in body["data"]]
         if oreq.legacy:
@@ -206,7 +200,7 @@ class OllamaRoutes:
 
     async def tags(self, req: Request) -> Reply:
         models = []
-        for name, svc in self.d.services.items():
+        for name, svc in self.host.services.items():
             entry: dict[str, Any] = {"name": name, "model": name}
             try:
                 card = await self._card(svc)
@@ -221,7 +215,7 @@ class OllamaRoutes:
     async def ps(self, req: Request) -> Reply:
         models = []
         now, wall = time.monotonic(), time.time()
-        for name, svc in self.d.services.items():
+        for name, svc in self.host.services.items():
             st = svc.lifecycle
             if not st.resident:
                 continue
@@ -260,7 +254,7 @@ class OllamaRoutes:
             return await self._load_or_unload(svc, oreq)
         t0 = time.monotonic()
         try:  # the schema in `format` is compiled at submission
-            rec = self.d.submit(dataclasses.replace(oreq.generation, model=svc.name))
+            rec = self.host.submit(dataclasses.replace(oreq.generation, model=svc.name))
         except ApiError as exc:
             raise renamed(exc) from None
         self._keep_alive(svc, oreq.keep_alive)  # queued already: it applies once idle again
@@ -270,7 +264,7 @@ class OllamaRoutes:
             await rec.done.wait()
         finally:
             if not rec.done.is_set():  # the client hung up: the transport cancelled us
-                self.d.cancel(rec.id, why="client disconnected")
+                self.host.cancel(rec.id, why="client disconnected")
         end = rec.outcome
         if end is not None and end.code is not None:
             raise end_error(end.code, end.message)
@@ -286,7 +280,7 @@ class OllamaRoutes:
         calls = structured.tool_calls(rec.request, rec.text, rec.id)
         return None if calls is None else ollama_tool_calls(calls)
 
-    async def _load_or_unload(self, svc: ModelService, oreq: OllamaRequest) -> Reply:
+    async def _load_or_unload(self, svc: ServedModel, oreq: OllamaRequest) -> Reply:
         ka = oreq.keep_alive
         self._keep_alive(svc, ka)
         if ka is not None and ka.seconds == 0:
@@ -300,7 +294,7 @@ class OllamaRoutes:
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(), text="",
                                 done_reason=reason, stats=None))
 
-    async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ModelService,
+    async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ServedModel,
                       t0: float) -> AsyncIterator[bytes]:
         held = rec.request.tools is not None  # a call or text: known at the end
         try:
@@ -321,10 +315,10 @@ class OllamaRoutes:
                                    stats=self._stats(rec, svc, t0)))
         finally:
             if not rec.done.is_set():
-                self.d.cancel(rec.id, why="client disconnected")
+                self.host.cancel(rec.id, why="client disconnected")
 
     @staticmethod
-    def _stats(rec: RequestRecord, svc: ModelService, t0: float) -> Stats:
+    def _stats(rec: RequestRecord, svc: ServedModel, t0: float) -> Stats:
         end = time.monotonic()
         first, started = rec.first_token_at, rec.job.started_at
         prompt_s = first - started if first is not None and started is not None else 0.0

@@ -1,6 +1,10 @@
-"""HTTP routes of the daemon: map API requests onto Daemon operations.
+"""HTTP routes of the daemon: map API requests onto the daemon's operations.
 
 Invariants owned here:
+- The routes know the daemon only as a `Gateway` (daemon/gateway.py): what they ask of it and
+  nothing more; daemon/app.py's Daemon satisfies it.
+- A refusal is an HTTP answer in one place, `Router.handle`: a domain error (ServiceError)
+  through protocol/api.py's `api_error` (HTTP_ERRORS), an ApiError as it is.
 - Every reply is JSON (`{"error": {"message", "type", "param", "code"}}` for errors, OpenAI's
   shape) except /metrics (Prometheus text) and streams (server-sent events, ending with
   `data: [DONE]` on the OpenAI routes). docs/api.md is the reference of every route.
@@ -17,15 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 from edge_agent.daemon import structured
-from edge_agent.daemon.embeddings import create_embeddings
+from edge_agent.daemon.gateway import Gateway, ServedModel
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError, ServiceError
@@ -52,12 +54,8 @@ from edge_agent.protocol.embeddings import parse_embeddings
 from edge_agent.protocol.ollama import error_body as ollama_error_body
 from edge_agent.protocol.ollama import is_ollama_path
 from edge_agent.transports.http import Request, Response, StreamResponse
-from edge_agent.wallclock import health_times
 
-if TYPE_CHECKING:
-    from edge_agent.daemon.app import Daemon
-
-__all__ = ["Router", "cgroup_info"]
+__all__ = ["Router"]
 
 OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POST /api/chat, "
                  "/api/generate, /api/show, /api/embed, /api/embeddings (docs/api.md).")
@@ -78,37 +76,9 @@ def _json(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> R
     return Response(status, json.dumps(obj, ensure_ascii=False).encode(), headers=headers)
 
 
-def _read_int(path: Path) -> int | str | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else text
-
-
-def cgroup_info(root: Path = Path("/sys/fs/cgroup")) -> dict[str, Any]:
-    """This process's cgroup v2 path, memory limit/usage and memory pressure (when readable)."""
-    try:
-        line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines()
-                    if ln.startswith("0::"))
-    except (OSError, StopIteration):
-        return {"available": False}
-    rel = line[3:].strip()
-    d = root / rel.lstrip("/")
-    info: dict[str, Any] = {"available": (d / "cgroup.procs").exists(), "path": rel,
-                            "memory_max": _read_int(d / "memory.max"),
-                            "memory_current": _read_int(d / "memory.current")}
-    try:
-        some = (d / "memory.pressure").read_text().splitlines()[0]
-        info["memory_pressure"] = dict(kv.split("=") for kv in some.split()[1:])
-    except (OSError, IndexError, ValueError):
-        info["memory_pressure"] = None
-    return info
-
-
 class Router:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, host: Gateway) -> None:
+        self.host = host
         R = Callable[..., Awaitable[Reply]]
         self.routes: list[tuple[re.Pattern[str], dict[str, R]]] = [
             (re.compile(r"/health"), {"GET": self.health}),
@@ -130,7 +100,7 @@ class Router:
             (re.compile(r"/v1/flash/(?P<fid>[^/]+)"), {"GET": self.flash_get}),
             (re.compile(r"/tokenize"), {"POST": self.tokenize}),
             (re.compile(r"/detokenize"), {"POST": self.detokenize}),
-            *OllamaRoutes(daemon, max_tokens_limit=MAX_TOKENS_LIMIT).table(),  # / and /api/*
+            *OllamaRoutes(host, max_tokens_limit=MAX_TOKENS_LIMIT).table(),  # / and /api/*
         ]
 
     async def handle(self, req: Request) -> Reply:
@@ -166,68 +136,33 @@ class Router:
 
     # -- status --------------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
-        d = self.d
-        status = d.status()
-        models = {n: s.to_dict() for n, s in d.services.items()}
-        body = {
-            "status": status, "pid": os.getpid(),
-            "uptime_s": round(time.monotonic() - d.started, 3),
-            "models": models,
-            "mlock": {n: s.lock for n, s in d.services.items() if s.lock is not None},
-            "queue": {"depth": d.scheduler.depth, "queue_max": d.scheduler.config.queue_max,
-                      **d.scheduler.counts()},
-            "cgroup": {**d.memory.health(), "process": cgroup_info()},
-            "pressure": d.memory.pressure_dict(),
-            "socket": str(d.config.server.socket),
-            "journal": d.journal.health(),
-        }
-        body = health_times(body, started=d.started)  # points in time as ISO 8601
-        return _json(200 if status == "serving" else 503, body)
+        body = self.host.health()
+        return _json(200 if body["status"] == "serving" else 503, body)
 
     async def metrics(self, req: Request) -> Reply:
-        d = self.d
-
-        def gauges() -> dict[str, list[tuple[str, float]]]:
-            svcs = d.services.values()
-            return {
-                "edge_agent_queue_depth": [("", d.scheduler.depth)],
-                "edge_agent_requests_queued": [(f'model="{s.name}"', d.scheduler.queued(s.name))
-                                               for s in svcs],
-                "edge_agent_requests_running": [(f'model="{s.name}"', len(s.active))
-                                                for s in svcs],
-                "edge_agent_kv_free_blocks": [(f'model="{s.name}"', s.free_blocks)
-                                              for s in svcs if s.free_blocks is not None],
-                "edge_agent_locked_bytes": [(f'model="{s.name}"', s.lock.get("locked_bytes", 0))
-                                            for s in svcs if s.lock],
-                "edge_agent_weight_bytes": [(f'model="{s.name}"', s.lock.get("weight_bytes", 0))
-                                            for s in svcs if s.lock],
-                "edge_agent_model_serving": [
-                    (f'model="{s.name}"', float(s.lifecycle.can_serve)) for s in svcs],
-            }
-
-        return Response(200, (d.metrics.render(gauges) + d.memory.render_metrics()).encode(),
+        return Response(200, self.host.metrics_text().encode(),
                         content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @staticmethod
-    def _model_object(name: str, svc: Any) -> dict[str, Any]:
+    def _model_object(name: str, svc: ServedModel) -> dict[str, Any]:
         return {"id": name, "object": "model", "owned_by": "edge-agent", "created": 0,
                 "state": svc.lifecycle.state.value, "context": svc.context,
                 "max_batch": svc.max_batch}
 
     async def models(self, req: Request) -> Reply:
-        data = [self._model_object(n, s) for n, s in self.d.services.items()]
+        data = [self._model_object(n, s) for n, s in self.host.services.items()]
         return _json(200, {"object": "list", "data": data})
 
     async def model(self, req: Request, name: str) -> Reply:
-        svc = self.d.services.get(name)
+        svc = self.host.services.get(name)
         if svc is None:
             raise ApiError(404, "model_not_found", f"the model {name!r} does not exist (models: "
-                           f"{', '.join(sorted(self.d.services))}). Hint: GET /v1/models "
+                           f"{', '.join(sorted(self.host.services))}). Hint: GET /v1/models "
                            "lists them.")
         return _json(200, self._model_object(name, svc))
 
     async def model_action(self, req: Request, name: str, action: str) -> Reply:
-        svc = self.d.services.get(name)
+        svc = self.host.services.get(name)
         if svc is None:
             raise ApiError(404, "model_not_found", f"no model named {name!r}. Hint: GET "
                            "/v1/models lists them.")
@@ -251,22 +186,18 @@ class Router:
         return await self._generate(self._parse(req, True))
 
     async def _generate(self, greq: Any) -> Reply:
-        rec = self.d.submit(greq)
+        rec = self.host.submit(greq)
         if greq.stream:
             return StreamResponse(self._openai_stream(rec))
         try:
             await rec.done.wait()
         finally:
             if not rec.done.is_set():  # the client hung up: the transport cancelled us
-                self.d.cancel(rec.id, why="client disconnected")
+                self.host.cancel(rec.id, why="client disconnected")
         return self._final(rec)
 
     async def embeddings(self, req: Request) -> Reply:
-        d = self.d
-        return _json(200, await create_embeddings(
-            parse_embeddings(req.body), stopping=d.stopping,
-            check_admission=d.memory.check_admission, services=d.services,
-            default_model=d.config.default_model, tokenizer=d._tokenizer))
+        return _json(200, await self.host.embed(parse_embeddings(req.body)))
 
     def _final(self, rec: RequestRecord) -> Response:
         end = rec.outcome
@@ -286,7 +217,7 @@ class Router:
         """OpenAI's logprobs object for tokens [start, end) of `rec` (None: not asked)."""
         if not rec.wants_logprobs:
             return None
-        tok = self.d.services[rec.model].ensure_tokenizer()
+        tok = self.host.services[rec.model].ensure_tokenizer()
         render = chat_logprobs if rec.request.chat else completion_logprobs
         return render(rec.logprob_entries(start, end), tok.token_bytes)
 
@@ -320,15 +251,15 @@ class Router:
             yield SSE_DONE
         finally:
             if not rec.done.is_set():
-                self.d.cancel(rec.id, why="client disconnected")
+                self.host.cancel(rec.id, why="client disconnected")
 
     # -- tokenizer (llama-server's /tokenize and /detokenize) -----------------------------------
     def _tokenizer(self, model: str | None) -> tuple[str, Any]:
-        name = model or self.d.config.default_model
-        svc = self.d.services.get(name)
+        name = model or self.host.default_model
+        svc = self.host.services.get(name)
         if svc is None:
             raise ApiError(404, "model_not_found", f"field 'model': no model named {name!r} "
-                           f"(registered: {', '.join(sorted(self.d.services))}). Hint: GET "
+                           f"(registered: {', '.join(sorted(self.host.services))}). Hint: GET "
                            "/v1/models lists them.")
         return name, svc.ensure_tokenizer()
 
@@ -356,9 +287,7 @@ class Router:
 
     # -- native requests -----------------------------------------------------------------------
     def _record(self, rid: str) -> RequestRecord:
-        rec = self.d.records.get(rid)
-        if rec is None:
-            rec = self.d.journal.rebuild(rid)  # finished earlier, or before a restart
+        rec = self.host.find_request(rid)  # live, or finished earlier / before a restart
         if rec is None:
             raise ApiError(404, "request_not_found", f"no request with id {rid!r} (unknown, or "
                            "forgotten after it finished). Hint: use the id POST /v1/requests "
@@ -373,7 +302,7 @@ class Router:
                            "/v1/chat/completions and /v1/completions only, not by "
                            "/v1/requests. Hint: send the request to one of those, or remove "
                            f"{field!r}.")
-        rec = self.d.submit(greq)
+        rec = self.host.submit(greq)
         return _json(202, rec.to_dict(time.monotonic()),
                      headers=(("location", f"/v1/requests/{rec.id}"),))
 
@@ -382,7 +311,7 @@ class Router:
 
     async def delete_request(self, req: Request, rid: str) -> Reply:
         self._record(rid)
-        rec = self.d.cancel(rid)
+        rec = self.host.cancel(rid)
         assert rec is not None
         await asyncio.sleep(0)
         return _json(200, rec.to_dict(time.monotonic()))
@@ -398,19 +327,19 @@ class Router:
         yield sse_event(rec.to_dict(time.monotonic()), event="end")
 
     async def delete_session(self, req: Request, sid: str) -> Reply:
-        return _json(200, self.d.sessions.reset(sid))
+        return _json(200, self.host.sessions.reset(sid))
 
     # -- flash jobs (daemon/flashing.py) ---------------------------------------------------------
     async def flash_create(self, req: Request) -> Reply:
-        job = self.d.flash.submit(self.d.flash.parse(req.body))
+        job = self.host.flash.submit(self.host.flash.parse(req.body))
         return _json(202, job.to_dict(), headers=(("location", f"/v1/flash/{job.id}"),))
 
     async def flash_ports(self, req: Request) -> Reply:
         port = req.query.get("port", [None])[0]
-        return _json(200, self.d.flash.ports_info(port))
+        return _json(200, self.host.flash.ports_info(port))
 
     async def flash_get(self, req: Request, fid: str) -> Reply:
-        return _json(200, self.d.flash.get(fid).to_dict())
+        return _json(200, self.host.flash.get(fid).to_dict())
 
 
 def _piece(raw: bytes) -> str | list[int]:

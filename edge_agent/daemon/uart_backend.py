@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from edge_agent.daemon.structured import grammar_for
 from edge_agent.errors import (
     AdmissionRefused,
+    ContextExceeded,
+    InvalidRequest,
+    JournalFailed,
+    JournalNotWritable,
+    ModelFailed,
     ModelNotFound,
+    RequestQueueFull,
     ServiceError,
     ShuttingDown,
 )
@@ -65,6 +71,12 @@ UART_CODES: dict[type[ServiceError], str] = {
     ShuttingDown: "shutting_down",
     AdmissionRefused: "memory_pressure",
     ModelNotFound: "model_not_found",
+    ModelFailed: "model_failed",
+    InvalidRequest: "invalid_request",
+    ContextExceeded: "context_exceeded",
+    RequestQueueFull: "queue_full",
+    JournalFailed: "journal_failed",
+    JournalNotWritable: "journal_unavailable",
 }
 
 # The UART error code of each code a request can end with (daemon/outcome.py's EndCode; the
@@ -152,7 +164,7 @@ class DaemonBackend:
             rec = self._submit(greq)
         except ServiceError as exc:
             raise backend_error(exc) from exc
-        except ApiError as exc:  # a bad request, or a refusal the submit path words for HTTP
+        except ApiError as exc:  # a body the parser, a session or a schema check refuses
             raise BackendError(exc.code, exc.message) from exc
         log.info(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
         return rec.id
