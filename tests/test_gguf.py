@@ -16,7 +16,7 @@ from conftest import write_tiny_gguf
 from edge_agent.errors import ModelFileError
 from edge_agent.paths import default_model_path
 from edge_agent.runtime import quant
-from edge_agent.runtime.gguf import GGUFFile
+from edge_agent.runtime.gguf import GGUFFile, SkippedStrings
 
 Q = gguf.GGMLQuantizationType
 
@@ -209,6 +209,37 @@ def test_truncated_fixed_header(tiny_gguf: tuple[Path, dict[str, np.ndarray]]) -
     with pytest.raises(ModelFileError,
                        match=r"tiny\.gguf: truncated GGUF file \(10 bytes, the header alone is 24"):
         GGUFFile(path)
+
+
+def test_skipped_string_arrays_keep_their_length_and_the_rest_of_the_header(
+        real: tuple[GGUFFile, gguf.GGUFReader]) -> None:
+    ours, _ = real
+    with GGUFFile(default_model_path(), string_arrays=False) as lean:
+        assert lean.metadata["tokenizer.ggml.tokens"] == SkippedStrings(49152)
+        assert len(lean.metadata["tokenizer.ggml.merges"]) == 48900
+        strings = {k for k, v in ours.metadata.items()
+                   if isinstance(v, list) and v and isinstance(v[0], str)}
+        assert strings == {k for k, v in lean.metadata.items() if isinstance(v, SkippedStrings)}
+        assert {k: v for k, v in lean.metadata.items() if k not in strings} == {
+            k: v for k, v in ours.metadata.items() if k not in strings}
+        assert lean.tensors == ours.tensors and lean.data_offset == ours.data_offset
+
+
+def test_a_string_array_cut_short_is_refused_alike_when_skipped(tmp_path: Path) -> None:
+    """Truncation inside the vocabulary: the same error whether its strings are built or
+    skipped, at every cut (length field or string body)."""
+    src = default_model_path().read_bytes()[:2_000_000]
+    start = src.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4 + 8
+    path = tmp_path / "cut.gguf"
+    for cut in (start + 3, start + 8, start + 9, start + 400_123):
+        path.write_bytes(src[:cut])
+        errors = []
+        for string_arrays in (True, False):
+            with pytest.raises(ModelFileError) as err:
+                GGUFFile(path, string_arrays=string_arrays)
+            errors.append(str(err.value))
+        assert errors[0] == errors[1], cut
+        assert "truncated GGUF file" in errors[0] and "tokenizer.ggml.tokens" in errors[0]
 
 
 @pytest.mark.parametrize("cut", [30, 200])

@@ -185,7 +185,7 @@ def model_facts(model_path: Path, metadata: dict[str, Any] | None = None) -> Mod
     """ModelFacts from the GGUF header at `model_path` (reads metadata and tensor infos)."""
     from edge_agent.runtime.gguf import GGUFFile
 
-    with GGUFFile(model_path) as g:
+    with GGUFFile(model_path, string_arrays=False) as g:  # the vocabulary: its length only
         meta = dict(metadata if metadata is not None else g.metadata)
         tensor_bytes = g.size - g.data_offset
     arch = str(meta.get("general.architecture", ""))
