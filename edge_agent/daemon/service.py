@@ -48,6 +48,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
@@ -247,7 +248,8 @@ class ModelService:
         # "stay loaded",) in place of entry.ttl_s until the next unload; None: entry.ttl_s
         self.ttl_override: tuple[float | None] | None = None
         self.tokenizer: Any = None
-        self.engine: str | None = None  # resolved with the tokenizer: "llamacpp" or "numpy"
+        self._tokenizer_lock = threading.Lock()  # ensure_tokenizer runs in a thread at load
+        self.engine: str | None = None  # resolved with the budget: "llamacpp" or "numpy"
         self.engine_info: dict[str, Any] | None = None  # the runner's describe() of its load
         self.batch_invariant: bool | None = None  # measured by the runner at warm-up
         self.tokenizer_from: str | None = None  # "journal" (warm cache) or "gguf" (built)
@@ -266,7 +268,7 @@ class ModelService:
         self._inflight_size = 0
         self._pending_ids: set[str] = set()  # sequences with a token in that reply
         self._load_progress: tuple[int, int] | None = None
-        self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the tokenizer
+        self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
         self.embeds = 0  # embedding requests using the runner now (embed())
 
     # -- control-plane helpers -----------------------------------------------------------------
@@ -274,42 +276,52 @@ class ModelService:
         return Path(self.entry.resolve_path())
 
     def ensure_tokenizer(self) -> Any:
-        """Tokenizer and memory budget from the GGUF metadata (read once, no weights)."""
-        if self.tokenizer is None:
-            from edge_agent.runtime.engines import resolve_engine
+        """Tokenizer and memory budget from the GGUF metadata (read once, no weights). Safe
+        from a worker thread (`_load` overlaps it with the runner's start); a second caller
+        waits for the first."""
+        with self._tokenizer_lock:
+            if self.tokenizer is None:
+                self.ensure_budget()
+                t0 = time.perf_counter()
+                if self.engine == "llamacpp":
+                    from edge_agent.runtime.engines import open_tokenizer
 
-            self.engine = resolve_engine(self.runtime.engine)
-            t0 = time.perf_counter()
-            if self.engine == "llamacpp":
-                tok = self._llamacpp_tokenizer()
-            else:
-                tok = self._numpy_tokenizer()
-            self.tokenizer_s = time.perf_counter() - t0
-            self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})
-            self.tokenizer = tok
-        return self.tokenizer
+                    self.tokenizer_from = "gguf"
+                    tok = open_tokenizer("llamacpp", self.path())
+                else:
+                    tok = self._numpy_tokenizer()
+                self.tokenizer_s = time.perf_counter() - t0
+                self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})
+                self.tokenizer = tok
+            return self.tokenizer
 
-    def _llamacpp_tokenizer(self) -> Any:
-        """The model's own vocabulary (a vocab-only llama.cpp load); the budget from the
-        GGUF's dimensions: weights as stored, KV cache as llama.cpp sizes it, buffers."""
+    def ensure_budget(self) -> None:
+        """The engine, the context cap and the memory budget. On the llama.cpp engine from
+        the GGUF's metadata alone (its dimensions: weights as stored, KV cache as llama.cpp
+        sizes it, buffers), so a load can start its runner before the vocabulary is read;
+        the numpy engine reads both together (ensure_tokenizer)."""
+        if self.engine is not None and (self.facts is not None or self.engine != "llamacpp"):
+            return
         from edge_agent.runtime.engines import (
             LLAMACPP_RUNNER_BASE_BYTES,
             llamacpp_budget_bytes,
             model_facts,
-            open_tokenizer,
+            resolve_engine,
         )
 
-        facts = model_facts(self.path())
-        self.facts = facts
-        if facts.context_length:
-            self.context = min(self.context, facts.context_length)
-        # a model that pools (its own pooling type, or models.NAME.pooling) creates an
-        # embedding context at its first embedding request: its memory counts from the start
-        self.budget_bytes = llamacpp_budget_bytes(
-            facts, self.max_batch, self.context, overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES,
-            embeddings=self._pooling(facts) is not None)
-        self.tokenizer_from = "gguf"
-        return open_tokenizer("llamacpp", self.path())
+        engine = resolve_engine(self.runtime.engine)
+        if engine == "llamacpp":
+            facts = model_facts(self.path())
+            if facts.context_length:
+                self.context = min(self.context, facts.context_length)
+            # a model that pools (its own pooling type, or models.NAME.pooling) creates an
+            # embedding context at its first embedding request: its memory counts from the
+            # start
+            self.budget_bytes = llamacpp_budget_bytes(
+                facts, self.max_batch, self.context, overhead_bytes=LLAMACPP_RUNNER_BASE_BYTES,
+                embeddings=self._pooling(facts) is not None)
+            self.facts = facts
+        self.engine = engine
 
     def _numpy_tokenizer(self) -> Any:
         from edge_agent.runtime.gguf import GGUFFile
@@ -789,8 +801,13 @@ class ModelService:
         self._unload_requested = False
         self.lifecycle.start_load(now)
         self.host.notifier_extend(f"model {self.name}: loading")
+        vocab: asyncio.Future[Any] | None = None
         try:
-            self.ensure_tokenizer()
+            self.ensure_budget()
+            # llama.cpp engine: the control plane reads the vocabulary (a vocab-only load,
+            # 0.4-1.5 s) in a thread while the runner starts, not before it
+            if self.engine != "llamacpp" or self.tokenizer is not None:
+                self.ensure_tokenizer()
             await self._check_budget(now)
             env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV_DROP}
             threads = str(self.runtime.threads or 1)
@@ -802,8 +819,15 @@ class ModelService:
                                   on_spawn=attach)
             self._forget_inflight()
             self.runner = runner
+            if self.tokenizer is None:
+                vocab = asyncio.ensure_future(asyncio.to_thread(self.ensure_tokenizer))
             ready = await runner.start()
+            if vocab is not None:
+                await vocab
         except Exception as exc:  # noqa: BLE001 - any failure must leave LOADING (FAILED)
+            if vocab is not None and not vocab.done():  # the runner failed first
+                with contextlib.suppress(Exception):
+                    await vocab
             reason = str(exc) if isinstance(exc, (EdgeAgentError, OSError)) else (
                 f"model {self.name!r}: load failed with {type(exc).__name__}: {exc}. "
                 "Hint: this is a daemon bug; the daemon's log has the details.")
