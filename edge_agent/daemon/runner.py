@@ -9,8 +9,8 @@ the `EngineLike` interface.
 Invariants owned here:
 - The runner is stateless towards the outside: it decides nothing. Each `step` message is
   executed in order: releases first (free KV blocks), then prefill of added sequences (each
-  returns its first token; an add with `generated` prefills prompt + those tokens and returns
-  the next one: a resumed request continues where it stopped), then one batched decode step
+  returns its first token; an add with `generated` rebuilds the cache from the prompt and those
+  tokens and returns the next one: a resumed request continues where it stopped), then one batched decode step
   of the listed sequences. The reply's `logprobs` holds, for each sequence whose params ask,
   `[chosen token's logprob, [[id, logprob], ...the N most likely]]`; its `cached` says, per
   added sequence, how many of its leading tokens the engine's prompt cache held (they were not
