@@ -21,6 +21,12 @@ __all__ = [
     "RequestQueueFull",
     "JournalFailed",
     "JournalNotWritable",
+    "SessionBusy",
+    "SessionModelMismatch",
+    "SessionNotContinuable",
+    "SessionNotFound",
+    "ModelNotEmbedding",
+    "EmbeddingFailed",
     "PortNotOwned",
     "FlashBusy",
     "FlashJobNotFound",
@@ -115,7 +121,8 @@ class InvalidRequest(ServiceError):
 
 
 class ContextExceeded(InvalidRequest):
-    """The prompt (with its session's history) does not fit the model's context."""
+    """The prompt (with its session's history), or an embedding input, does not fit the
+    model's context."""
 
 
 class RequestQueueFull(ServiceError):
@@ -136,6 +143,57 @@ class JournalNotWritable(ServiceError):
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
+
+
+class SessionBusy(ServiceError):
+    """Session `session` has request `request_id` still open: one turn at a time, so its
+    history only grows by whole finished turns."""
+
+    def __init__(self, message: str, *, session: str, request_id: str) -> None:
+        super().__init__(message)
+        self.session = session
+        self.request_id = request_id
+
+
+class SessionModelMismatch(ServiceError):
+    """Session `session` is a conversation with model `session_model`; the request is for
+    `model`."""
+
+    def __init__(self, message: str, *, session: str, session_model: str, model: str) -> None:
+        super().__init__(message)
+        self.session = session
+        self.session_model = session_model
+        self.model = model
+
+
+class SessionNotContinuable(InvalidRequest):
+    """The model's chat template does not render a later turn as an extension of the
+    conversation, so a session's history cannot be continued token for token."""
+
+
+class SessionNotFound(ServiceError):
+    """No session `session` (never used, already reset, or forgotten)."""
+
+    def __init__(self, message: str, *, session: str) -> None:
+        super().__init__(message)
+        self.session = session
+
+
+class ModelNotEmbedding(InvalidRequest):
+    """The model `name` computes no embeddings (its engine or its pooling type); the message
+    starts with "field 'model': "."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class EmbeddingFailed(ServiceError):
+    """The model `name` could not compute the embeddings asked of it (its runner failed)."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class PortNotOwned(ServiceError):

@@ -38,8 +38,8 @@ from typing import Any
 from edge_agent.daemon import structured
 from edge_agent.daemon.gateway import ModelHost, ServedModel
 from edge_agent.daemon.requests import RequestRecord
-from edge_agent.errors import EdgeAgentError
-from edge_agent.protocol.api import ApiError, end_error
+from edge_agent.errors import EdgeAgentError, ServiceError
+from edge_agent.protocol.api import ApiError, api_error, end_error
 from edge_agent.protocol.ollama import (
     API_VERSION,
     FOREVER_EPOCH,
@@ -255,8 +255,8 @@ class OllamaRoutes:
         t0 = time.monotonic()
         try:  # the schema in `format` is compiled at submission
             rec = self.host.submit(dataclasses.replace(oreq.generation, model=svc.name))
-        except ApiError as exc:
-            raise renamed(exc) from None
+        except (ApiError, ServiceError) as exc:  # named as Ollama's field (format)
+            raise renamed(exc if isinstance(exc, ApiError) else api_error(exc)) from None
         self._keep_alive(svc, oreq.keep_alive)  # queued already: it applies once idle again
         if oreq.stream:
             return StreamResponse(self._stream(rec, oreq, svc, t0), content_type=NDJSON)

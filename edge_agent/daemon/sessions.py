@@ -8,11 +8,13 @@ Invariants owned here:
   ids, its generated tokens and, for chat, the template's turn end (`<|im_end|>` + newline for
   ChatML, `<end_of_turn>` + newline for Gemma). Turn N+1's prompt is history + the ids of the
   new messages only (no second BOS or default system prompt).
-- At most one request per session is open at a time (another is refused with 409
-  `session_busy`), so the history only grows by whole finished turns; a turn that fails or is
-  cancelled leaves the history as it was.
+- At most one request per session is open at a time (another is refused with `SessionBusy`,
+  HTTP 409 `session_busy`), so the history only grows by whole finished turns; a turn that
+  fails or is cancelled leaves the history as it was.
 - The history lives in the journal (`sessions` table) when it is enabled, in memory otherwise;
-  a session belongs to one model (using it with another is 409 `session_model_mismatch`).
+  a session belongs to one model (using it with another is `SessionModelMismatch`, HTTP 409
+  `session_model_mismatch`).
+- Refusals are domain errors (edge_agent/errors.py); the edges map them to HTTP and UART.
 - Histories are read on use, one primary-key lookup by session id; nothing about sessions is
   loaded at start, so a start does not slow down with the number of sessions kept.
 - Saving a turn's history and clearing that turn's `session_pending` mark are one transaction,
@@ -26,8 +28,15 @@ import sqlite3
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from edge_agent.errors import (
+    JournalFailed,
+    SessionBusy,
+    SessionModelMismatch,
+    SessionNotContinuable,
+    SessionNotFound,
+)
 from edge_agent.journal import JournalError, JournalStore
-from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.protocol.api import GenerationRequest
 
 if TYPE_CHECKING:
     from edge_agent.daemon.requests import RequestRecord
@@ -41,15 +50,17 @@ def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     """The chat-template ids of `messages` as a later turn of a conversation: what the template
     appends after an earlier exchange (no second BOS or default system prompt), the generation
     prompt at the end. Works for any template that renders a longer conversation as an
-    extension of a shorter one (ChatML, Gemma, Llama 3, Phi-3, ...)."""
+    extension of a shorter one (ChatML, Gemma, Llama 3, Phi-3, ...); SessionNotContinuable
+    for one that does not."""
     earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     skip = list(tok.apply_chat_template(earlier, add_generation_prompt=False))
     full = list(tok.apply_chat_template(earlier + messages))
     if full[: len(skip)] != skip:
-        raise ApiError(400, "session_template", "field 'session': this model's chat template "
-                       "does not render a later turn as an extension of the conversation, so "
-                       "its history cannot be continued token for token. Hint: send the whole "
-                       "conversation in `messages` without `session`.")
+        raise SessionNotContinuable("field 'session': this model's chat template does not "
+                                    "render a later turn as an extension of the conversation, "
+                                    "so its history cannot be continued token for token. Hint: "
+                                    "send the whole conversation in `messages` without "
+                                    "`session`.")
     return full[len(skip):]
 
 
@@ -92,19 +103,22 @@ class Sessions:
         if found is None:
             return []
         if found[0] != model:
-            raise ApiError(409, "session_model_mismatch", f"field 'session': session {sid!r} "
-                           f"is a conversation with model {found[0]!r}, this request is for "
-                           f"{model!r}. Hint: use that model, or a new session id.")
+            raise SessionModelMismatch(f"field 'session': session {sid!r} is a conversation "
+                                       f"with model {found[0]!r}, this request is for "
+                                       f"{model!r}. Hint: use that model, or a new session id.",
+                                       session=sid, session_model=found[0], model=model)
         return list(found[1])
 
     def prompt_ids(self, req: GenerationRequest, model: str, tok: Any) -> list[int]:
         """History + the new turn's ids (the whole prompt when there is no history yet)."""
         assert req.session is not None
-        if req.session in self.busy:
-            raise ApiError(409, "session_busy", f"field 'session': session {req.session!r} has "
-                           f"request {self.busy[req.session]} still open. Hint: wait for it "
-                           f"(GET /v1/requests/{self.busy[req.session]}) before the next turn.")
-        hist = self.history(req.session, model)
+        sid = req.session
+        if sid in self.busy:
+            rid = self.busy[sid]
+            raise SessionBusy(f"field 'session': session {sid!r} has request {rid} still "
+                              f"open. Hint: wait for it (GET /v1/requests/{rid}) before the "
+                              "next turn.", session=sid, request_id=rid)
+        hist = self.history(sid, model)
         if req.chat:
             assert req.messages is not None
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
@@ -115,11 +129,13 @@ class Sessions:
 
     def reset(self, sid: str) -> dict[str, Any]:
         """Forget a session's history (DELETE /v1/sessions/{id}): the way out of a session
-        that outgrew its model's context. 409 while a turn is open, 404 when unknown."""
+        that outgrew its model's context. SessionBusy while a turn is open, SessionNotFound
+        when unknown, JournalNotWritable / JournalFailed when the journal refuses."""
         if sid in self.busy:
-            raise ApiError(409, "session_busy", f"session {sid!r} has request "
-                           f"{self.busy[sid]} still open. Hint: wait for it (GET "
-                           f"/v1/requests/{self.busy[sid]}) or cancel it, then reset.")
+            rid = self.busy[sid]
+            raise SessionBusy(f"session {sid!r} has request {rid} still open. Hint: wait for "
+                              f"it (GET /v1/requests/{rid}) or cancel it, then reset.",
+                              session=sid, request_id=rid)
         store = self.journal.store
         if store is not None:
             self.journal.check_admission()  # 507 while the journal cannot be written
@@ -129,15 +145,15 @@ class Sessions:
                 try:
                     store.delete_session(sid)
                 except (JournalError, sqlite3.Error) as exc:
-                    raise ApiError(503, "journal_failed", f"session {sid!r}: could not be "
-                                   f"reset: {exc}", headers=[("retry-after", "5")]) from exc
+                    raise JournalFailed(f"session {sid!r}: could not be reset: {exc}",
+                                        retry_after_s=5) from exc
         else:
             mem = self._memory.pop(sid, None)
             found = None if mem is None else (mem[0], len(mem[1]))
         if found is None:
-            raise ApiError(404, "session_not_found", f"no session {sid!r} (never used, already "
-                           "reset, or forgotten after journal.session_max_age_s). Hint: a new "
-                           "turn with this id starts it afresh.")
+            raise SessionNotFound(f"no session {sid!r} (never used, already reset, or "
+                                  "forgotten after journal.session_max_age_s). Hint: a new "
+                                  "turn with this id starts it afresh.", session=sid)
         return {"id": sid, "model": found[0], "forgotten_tokens": found[1], "reset": True}
 
     def claim(self, sid: str, rid: str) -> None:

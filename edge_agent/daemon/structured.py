@@ -5,7 +5,8 @@ Invariants owned here:
   parameters and journaled with them) only for `response_format` json_object / json_schema or
   `tool_choice` "required" / a named function; every other request is decoded unconstrained.
 - A grammar is checked before the request is accepted: a schema the library cannot compile is
-  a 400 naming `response_format` (or the tool) and the library's reason.
+  an `InvalidRequest` (edge_agent/errors.py; HTTP 400 `invalid_request`) naming
+  `response_format` (or the tool) and the library's reason.
 - Tools reach the model through its chat template when the template renders them (the output
   form is then `<tool_call>{json}</tool_call>` if the template speaks of it, else a bare JSON
   object); a template that ignores them (SmolLM2's, Gemma 3's, the numpy engine's ChatML) gets
@@ -24,7 +25,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from edge_agent.protocol.api import ApiError, GenerationRequest
+from edge_agent.errors import InvalidRequest
+from edge_agent.protocol.api import GenerationRequest
 from edge_agent.runtime.chat_template import GGUFChatTemplate
 from edge_agent.runtime.constrain import check_grammar, json_grammar, tool_call_grammar
 
@@ -70,15 +72,16 @@ def _native(tok: Any) -> tuple[bool, bool]:
 
 
 def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
-    """The grammar the output must follow (None: unconstrained); 400 when it cannot be used."""
+    """The grammar the output must follow (None: unconstrained); InvalidRequest naming the
+    field ("field 'x': ...") when it cannot be used."""
     choice = req.tool_choice
     functions = _offered(req)
     if functions and choice != "auto":
         if req.response_format is not None:
-            raise ApiError(400, "invalid_request", "field 'response_format': cannot be "
-                           f"combined with tool_choice {json.dumps(choice)} (the reply is a "
-                           "tool call). Hint: drop response_format, or use tool_choice "
-                           '"auto".', param="response_format")
+            raise InvalidRequest("field 'response_format': cannot be combined with "
+                                 f"tool_choice {json.dumps(choice)} (the reply is a tool "
+                                 "call). Hint: drop response_format, or use tool_choice "
+                                 '"auto".')
         if isinstance(choice, dict):
             functions = [f for f in functions if f["name"] == choice["function"]["name"]]
         grammar = tool_call_grammar(functions, tags=_native(tok)[1])
@@ -92,9 +95,9 @@ def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
         return None
     err = _checked(grammar)
     if err is not None:
-        raise ApiError(400, "invalid_request", f"field {field!r}: {what} cannot be used for "
-                       f"constrained decoding: {err}. Hint: fix the schema; docs/api.md lists "
-                       "the JSON Schema keywords supported.", param=field)
+        raise InvalidRequest(f"field {field!r}: {what} cannot be used for constrained "
+                             f"decoding: {err}. Hint: fix the schema; docs/api.md lists the "
+                             "JSON Schema keywords supported.")
     return grammar
 
 

@@ -32,13 +32,19 @@ from edge_agent.daemon.structured import grammar_for
 from edge_agent.errors import (
     AdmissionRefused,
     ContextExceeded,
+    EmbeddingFailed,
     InvalidRequest,
     JournalFailed,
     JournalNotWritable,
     ModelFailed,
+    ModelNotEmbedding,
     ModelNotFound,
     RequestQueueFull,
     ServiceError,
+    SessionBusy,
+    SessionModelMismatch,
+    SessionNotContinuable,
+    SessionNotFound,
     ShuttingDown,
 )
 from edge_agent.protocol.api import MAX_TOKENS_LIMIT, ApiError, GenerationRequest, parse_generation
@@ -77,6 +83,12 @@ UART_CODES: dict[type[ServiceError], str] = {
     RequestQueueFull: "queue_full",
     JournalFailed: "journal_failed",
     JournalNotWritable: "journal_unavailable",
+    SessionBusy: "session_busy",
+    SessionModelMismatch: "session_model_mismatch",
+    SessionNotContinuable: "session_template",
+    SessionNotFound: "session_not_found",
+    ModelNotEmbedding: "model_not_embedding",
+    EmbeddingFailed: "embedding_failed",
 }
 
 # The UART error code of each code a request can end with (daemon/outcome.py's EndCode; the
@@ -161,11 +173,12 @@ class DaemonBackend:
                 body[key] = value
         try:
             greq = parse_generation(body, chat=None, max_tokens_limit=MAX_TOKENS_LIMIT)
+        except ApiError as exc:  # a body the HTTP API's parser refuses, in its words
+            raise BackendError(exc.code, exc.message) from exc
+        try:
             rec = self._submit(greq)
         except ServiceError as exc:
             raise backend_error(exc) from exc
-        except ApiError as exc:  # a body the parser, a session or a schema check refuses
-            raise BackendError(exc.code, exc.message) from exc
         log.info(f"{session}: request {rec.id} accepted (priority {rec.job.priority})")
         return rec.id
 
@@ -175,9 +188,12 @@ class DaemonBackend:
         try:
             req = parse_generation({"prompt": "-", "response_format": dict(response_format)},
                                    chat=False, max_tokens_limit=MAX_TOKENS_LIMIT)
-            grammar_for(req, None)  # no tools: the tokenizer is not consulted
-        except ApiError as exc:
+        except ApiError as exc:  # a body the HTTP API's parser refuses, in its words
             raise BackendError(exc.code, exc.message) from exc
+        try:
+            grammar_for(req, None)  # no tools: the tokenizer is not consulted
+        except ServiceError as exc:  # a schema that cannot be compiled: InvalidRequest
+            raise backend_error(exc) from exc
 
     async def events(self, request_id: str, from_index: int = 0) -> AsyncIterator[StreamEvent]:
         rec = self.records.get(request_id)
