@@ -170,21 +170,16 @@ def _embed(engine: EngineLike, msg: Embed) -> Embedded:
 
 
 def _snapshot(engine: EngineLike, msg: Snapshot) -> SnapshotData:
-    take = getattr(engine, "snapshot", None)  # the llama.cpp engine's; numpy has none
-    blob = take(list(msg.tokens)) if take is not None else None
+    blob = engine.snapshot(list(msg.tokens))  # None on an engine that keeps no cells
     # base64 must fit one frame (the Restore that brings it back carries the tokens too)
     if not blob or len(blob) * 4 // 3 + (1 << 20) > MAX_FRAME:
         return SnapshotData()
-    from edge_agent.runtime.llamacpp import snapshot_tokens
-
-    identity = getattr(engine, "identity", None)
-    return SnapshotData(data=blob, tokens=snapshot_tokens(blob),
-                        identity=str(identity()) if identity is not None else "")
+    return SnapshotData(data=blob, tokens=engine.snapshot_tokens(blob),
+                        identity=engine.identity())
 
 
 def _restore(engine: EngineLike, msg: Restore) -> Restored:
-    load = getattr(engine, "restore", None)
-    return Restored(ok=bool(load is not None and load(list(msg.tokens), msg.data)))
+    return Restored(ok=engine.restore(list(msg.tokens), msg.data))
 
 
 def _send(sock: socket.socket, msg: Message) -> None:

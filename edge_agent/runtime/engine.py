@@ -392,6 +392,21 @@ class Engine:
         if q is not None:
             self.pool.release(q.table)
 
+    # -- prompt-cache snapshots: this engine keeps no cells across sequences ------------------
+    def snapshot(self, tokens: Sequence[int]) -> bytes | None:
+        """None: nothing to snapshot (the numpy engine has no prompt cache)."""
+        return None
+
+    def restore(self, tokens: Sequence[int], blob: bytes) -> bool:
+        """False: a snapshot is never loaded here."""
+        return False
+
+    def identity(self) -> str:
+        return ""
+
+    def snapshot_tokens(self, blob: bytes) -> int:
+        return 0
+
     def cached_tokens(self, seq_id: str) -> int:
         """0: this engine has no prompt cache (every add prefills its whole prompt)."""
         self._get(seq_id)

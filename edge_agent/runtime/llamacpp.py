@@ -628,6 +628,10 @@ class LlamaCppEngine:
             return SNAPSHOT_MAGIC + len(head).to_bytes(4, "big") + head + bytes(buf)[:got]
         return None
 
+    def snapshot_tokens(self, blob: bytes) -> int:
+        """How many leading tokens a `snapshot` blob holds (0: not a snapshot)."""
+        return snapshot_tokens(blob)
+
     def restore(self, tokens: Sequence[int], blob: bytes) -> bool:
         """Load a `snapshot` blob into an empty free slot and offer it to the prompt cache as
         holding the first n of `tokens` (n and how many of them a prefill wrote come from the
