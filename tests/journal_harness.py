@@ -21,14 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from b
 
 from daemon_proc import REPO, Daemon, serve_argv, spawn, stop  # noqa: E402
 
-__all__ = ["Daemon", "REPO", "write_config", "start", "kill", "journal_tokens",
+__all__ = ["Daemon", "ENGINE", "ENGINES", "REPO", "write_config", "start", "kill", "journal_tokens",
            "link_prepared", "tiny_gguf", "wait_done", "references", "sessions_history",
            "check_journal", "crash_run", "crash_world", "fill_journal"]
 
 
-# The engine the journal suites run on: the default one (runtime.engine = "auto" picks it when
-# llama-cpp-python is installed); tests/test_daemon_e2e.py runs its suite on both engines.
+# The engine a journal helper uses unless told otherwise: the default one (runtime.engine =
+# "auto" picks it when llama-cpp-python is installed). The suites pass `engine=` to run on both.
 ENGINE = "llamacpp"
+ENGINES = ("llamacpp", "numpy")
 
 
 def fill_journal(path: Path, n: int = 200, *, synchronous: str | None = None) -> None:
@@ -108,16 +109,19 @@ def sessions_history(path: Path, sid: str) -> list[int] | None:
 
 
 def crash_world(root: Path, src_state: Path, prompts: list[str], max_tokens: int,
-                context: int) -> dict[str, dict[str, tuple[list[int], str]]]:
-    """Set up root for crash_run: state dir (default model's prepared weights linked, the
-    tiny model prepared), config, and the uninterrupted temperature-0 references."""
+                context: int, *, engine: str = ENGINE
+                ) -> dict[str, dict[str, tuple[list[int], str]]]:
+    """Set up root for crash_run on `engine`: state dir (default model's prepared weights
+    linked, the tiny model prepared), config, and the uninterrupted temperature-0 references
+    of the same engine."""
     state = root / "state"
     link_prepared(src_state, state)
     tiny = tiny_gguf(root / "tiny.gguf")
-    refs = {"tiny": references(tiny, state, prompts, max_tokens, context),  # prepares tiny
-            "smollm2": references(None, state, prompts, max_tokens, context)}
+    refs = {"tiny": references(tiny, state, prompts, max_tokens, context,  # prepares tiny
+                               engine=engine),
+            "smollm2": references(None, state, prompts, max_tokens, context, engine=engine)}
     write_config(root, state, {"tiny": (tiny, True), "smollm2": (None, False)},
-                 context=context, drain_s=2)
+                 context=context, drain_s=2, engine=engine)
     return refs
 
 

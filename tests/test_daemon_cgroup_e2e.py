@@ -6,7 +6,8 @@ models/smollm2/ with memory.high/max/swap.max/oom.group from the model's budget 
 runner's pid in cgroup.procs. An OOM group kill (memory.events written as the kernel would,
 then the runner SIGKILLed) is attributed, journaled, shown in /health and /metrics, and the
 running request completes after the reload. Pressure walks the stages 1 -> 2 -> 3 (batch
-limit, 503 + Retry-After, lowest priority failed) and back after the hold time.
+limit, 503 + Retry-After, lowest priority failed) and back after the hold time. The module
+runs twice, on a daemon of each engine (the `engine` fixture).
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ class CgDaemon(Daemon):
         return self.call("GET", "/metrics")[2].decode()
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a daemon on each engine."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def daemon(prepared_state_dir: Path) -> Iterator[CgDaemon]:
+def daemon(prepared_state_dir: Path, engine: str) -> Iterator[CgDaemon]:
     root = Path(tempfile.mkdtemp(prefix="eacg-", dir="/tmp"))
     tree = make_tree(root, own=OWN, pids=())
     (root / "policy.toml").write_text(POLICY)
@@ -103,7 +110,7 @@ def daemon(prepared_state_dir: Path) -> Iterator[CgDaemon]:
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
         f"drain_timeout_s = 10\n"
         f"[scheduler]\nmax_batch_size = {MAX_BATCH}\nbatch_window_ms = 0\n"
-        f'[runtime]\nmlock = "best-effort"\nthreads = 1\n'
+        f'[runtime]\nengine = "{engine}"\nmlock = "best-effort"\nthreads = 1\n'
         f'[journal]\npath = "{root / "journal.sqlite3"}"\n'
         f'[cgroup]\npolicy = "{root / "policy.toml"}"\nproc_root = "{tree.proc}"\n'
         f"[models.smollm2]\ncontext = 512\nmax_batch = {MAX_BATCH}\npreload = true\n"
@@ -119,7 +126,7 @@ def pages(x: float) -> int:
     return math.ceil(x / 4096) * 4096
 
 
-def test_layout_written_to_the_tree(daemon: CgDaemon) -> None:
+def test_layout_written_to_the_tree(daemon: CgDaemon, engine: str) -> None:
     h = daemon.health()
     cg, m = h["cgroup"], h["models"]["smollm2"]
     assert cg["available"] is True and cg["base"] == OWN and cg["policy"] == "policy", cg
@@ -130,8 +137,9 @@ def test_layout_written_to_the_tree(daemon: CgDaemon) -> None:
     assert daemon.read("supervisor", "memory.low") == str(96 << 20)
     assert "memory" in daemon.read("models", "cgroup.subtree_control").split()
     budget = m["budget_bytes"]
-    assert m["engine"] == "llamacpp"
-    assert budget > m["mlock"]["weight_bytes"]  # the weights as stored + KV cache + buffers
+    assert m["engine"] == engine
+    # the weights (as stored; numpy: the prepared f32 copy) + KV cache + buffers
+    assert budget > m["mlock"]["weight_bytes"]
     high, mx = int(daemon.read("models/smollm2", "memory.high")), int(
         daemon.read("models/smollm2", "memory.max"))
     assert pages(1.15 * budget) - 4096 <= high <= pages(1.15 * budget)

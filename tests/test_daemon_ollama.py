@@ -6,8 +6,10 @@ temperature 0, and a tool call round trip (the call, then the tool's result and 
 checked against the OpenAI route given the same conversation.
 
 Recipe as tests/test_daemon_openai.py: `python -m edge_agent serve` as a subprocess with the
-real default model and the llama.cpp engine (tests/daemon_proc.py), `server.tcp` on a free
-loopback port, one daemon for the module, READY=1 awaited, killed in `finally`.
+real default model (tests/daemon_proc.py), `server.tcp` on a free loopback port, one daemon for
+the module, READY=1 awaited, killed in `finally`. The module runs twice, on a daemon of each
+engine (the `engine` fixture; numpy serves the session's prepared f32 copy and computes no
+embeddings: /api/embed is then checked to refuse, naming the engine).
 """
 
 from __future__ import annotations
@@ -40,19 +42,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a daemon on each engine."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
+def daemon(engine: str, request: pytest.FixtureRequest) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-ol-", dir="/tmp"))
     cfg = root / "config.toml"
     port = _free_port()
+    # llama.cpp reads the GGUF itself (an empty state dir); numpy the prepared f32 copy
+    state = (request.getfixturevalue("prepared_state_dir") if engine == "numpy"
+             else root / "state")
     cfg.write_text(
-        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state}"\n'
         f'tcp = "127.0.0.1:{port}"\ndrain_timeout_s = 5\n'
-        '[runtime]\nengine = "llamacpp"\nmlock = "off"\nthreads = 1\n'
+        f'[runtime]\nengine = "{engine}"\nmlock = "off"\nthreads = 1\n'
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = 2\npreload = true\n"
         'pooling = "mean"\n'  # /api/embed
     )
     with launch(Daemon, root, serve_argv(cfg)) as d:
+        assert d.health()["models"]["smollm2"]["engine"] == engine
         d.port = port  # type: ignore[attr-defined]  # this test's own note on the Daemon
         yield d
 
@@ -414,10 +426,21 @@ def test_bad_tools_are_400s_naming_the_field(client: Any, base: str) -> None:
         assert r.status_code == 400 and "'tools'" in r.json()["error"]  # chat only
 
 
-def test_embed_matches_the_openai_route(client: Any, daemon: Daemon) -> None:
+def test_embed_matches_the_openai_route(client: Any, daemon: Daemon, engine: str) -> None:
     import math
 
     texts = ["The cat sat on the mat.", "Boards run models at the edge."]
+    if engine == "numpy":  # refused before any load, as the OpenAI route refuses it
+        with pytest.raises(ollama.ResponseError) as info:
+            client.embed(model="smollm2", input=texts)
+        status, text = _error(info)
+        assert status == 400 and "engine numpy computes no embeddings" in text, text
+        assert "Hint:" in text
+        status, body = daemon.json("POST", "/v1/embeddings", {"model": "smollm2",
+                                                              "input": texts})
+        assert status == 400 and body["error"]["message"] == text, body
+        pytest.skip("engine numpy computes no embeddings (the refusal is checked above): the "
+                    "vectors, their norms and truncation are the llamacpp engine's")
     r = client.embed(model="smollm2", input=texts)
     assert len(r.embeddings) == 2 and r.prompt_eval_count > 0
     for v in r.embeddings:

@@ -5,7 +5,8 @@ max_completion_tokens wins), unknown and unsupported fields refused naming them,
 
 Recipe as tests/test_daemon_e2e.py: `python -m edge_agent serve` as a subprocess with the real
 default model (tests/daemon_proc.py), one daemon for the module, READY=1 awaited, killed in
-`finally`.
+`finally`. The module runs twice, on a daemon of each engine (the `engine` fixture); the
+log-probabilities are checked against an independent full-sequence forward of the same engine.
 """
 
 from __future__ import annotations
@@ -25,17 +26,24 @@ CONTEXT = 256  # bounds a reply that runs until the context
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a daemon on each engine."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def daemon(prepared_state_dir: Path) -> Iterator[Daemon]:
+def daemon(prepared_state_dir: Path, engine: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-oa-", dir="/tmp"))
     cfg = root / "config.toml"
     cfg.write_text(
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
         "drain_timeout_s = 5\n"
-        '[runtime]\nmlock = "best-effort"\nthreads = 1\n'
+        f'[runtime]\nengine = "{engine}"\nmlock = "best-effort"\nthreads = 1\n'
         f"[models.smollm2]\ncontext = {CONTEXT}\nmax_batch = 2\npreload = true\n"
     )
     with launch(Daemon, root, serve_argv(cfg)) as d:
+        assert d.health()["models"]["smollm2"]["engine"] == engine
         yield d
 
 
@@ -180,26 +188,52 @@ def _prompt_ids(text: str) -> list[int]:
     return list(LlamaVocab.load(default_model_path()).encode(text))
 
 
-def _oracle_log_softmax(ids: list[int]) -> Any:
-    """(len(ids), V) log-softmax of llama.cpp's own logits over `ids` (logits_all)."""
+def _engine_logits(engine: str, state_dir: Path, ids: list[int]) -> Any:
+    """(len(ids), V) logits of one full-sequence forward over `ids` on `engine`, in process:
+    llama.cpp's own (logits_all), or the numpy engine's model over the prepared f32 copy."""
     import numpy as np
-    from llama_cpp import Llama
 
     from edge_agent.paths import default_model_path
+
+    if engine == "numpy":
+        from edge_agent.runtime.engines import load_engine
+        from edge_agent.runtime.kvcache import BlockTable, blocks_for
+
+        loaded: Any = load_engine("numpy", default_model_path(), state_dir=state_dir,
+                                  mlock="off", max_batch=1, context=CONTEXT, threads=1)
+        try:
+            model = loaded.model
+            pool = model.new_pool(blocks_for(len(ids)) + 1)
+            table = BlockTable()
+            out = model.forward(np.asarray(ids).reshape(1, -1), [table], pool, all_logits=True)
+            pool.release(table)
+            return np.asarray(out, dtype=np.float64).reshape(len(ids), -1)
+        finally:
+            loaded.close()
+    from llama_cpp import Llama
 
     llm = Llama(model_path=str(default_model_path()), n_ctx=CONTEXT, n_threads=1,
                 verbose=False, logits_all=True, flash_attn=True, swa_full=False)
     try:
         llm.eval(ids)
-        z = np.array(llm.scores[: len(ids)], dtype=np.float64)  # (L, V)
+        return np.array(llm.scores[: len(ids)], dtype=np.float64)  # (L, V)
     finally:
         llm.close()
+
+
+def _oracle_log_softmax(engine: str, state_dir: Path, ids: list[int]) -> Any:
+    """(len(ids), V) log-softmax of `engine`'s own logits over `ids` (an independent run)."""
+    import numpy as np
+
+    z = _engine_logits(engine, state_dir, ids)
     m = z.max(axis=1, keepdims=True)
     return z - m - np.log(np.exp(z - m).sum(axis=1, keepdims=True))
 
 
-def test_completion_logprobs_equal_the_oracle_streamed_and_not(client: openai.OpenAI) -> None:
-    pytest.importorskip("llama_cpp")
+def test_completion_logprobs_equal_the_oracle_streamed_and_not(
+        client: openai.OpenAI, engine: str, prepared_state_dir: Path) -> None:
+    if engine == "llamacpp":
+        pytest.importorskip("llama_cpp")
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0,
                                   logprobs=3)
     lp = r.choices[0].logprobs
@@ -212,7 +246,8 @@ def test_completion_logprobs_equal_the_oracle_streamed_and_not(client: openai.Op
     prompt = _prompt_ids(PROMPT)
     ids = _prompt_ids(PROMPT + text)
     assert ids[: len(prompt)] == prompt
-    oracle = _oracle_log_softmax(ids[: len(prompt) + n])  # the generated ids re-encode the same
+    # the generated ids re-encode the same
+    oracle = _oracle_log_softmax(engine, prepared_state_dir, ids[: len(prompt) + n])
     for i, (got, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs or [], strict=True)):
         want = oracle[len(prompt) + i - 1]
         assert got == pytest.approx(want[ids[len(prompt) + i]], abs=1e-3)

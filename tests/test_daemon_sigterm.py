@@ -8,6 +8,7 @@ completion still running when SIGTERM comes and still running when the drain end
 - both stay open in the journal (not `cancelled`), and the next start finishes them with the
   text an uninterrupted run gives.
 With the journal off the two clients get the same kind of answer (saying it cannot resume).
+Both tests run on both engines (the `engine` fixture), against their own engine's references.
 """
 
 from __future__ import annotations
@@ -26,13 +27,29 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from journal_harness import kill, link_prepared, references, start, wait_done, write_config
+from journal_harness import (
+    ENGINES,
+    kill,
+    link_prepared,
+    references,
+    start,
+    wait_done,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 CONTEXT = 512
-MAX_TOKENS = 160  # far more than 1 s of decoding on this machine
+# far more than 1 s of decoding on this machine, on either engine (numpy's f32 steps of two
+# sequences are ~3x llama.cpp's: fewer tokens take as long, and its references cost less)
+MAX_TOKENS = {"llamacpp": 160, "numpy": 80}
 PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """The engine of the daemons (and of the references) of every test here."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +77,12 @@ class _Unix(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def _plain(sock: Path, out: dict[str, Any]) -> None:
+def _plain(sock: Path, out: dict[str, Any], max_tokens: int) -> None:
     conn = _Unix(sock)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({
             "model": "smollm2", "prompt": PROMPTS[0], "temperature": 0,
-            "max_tokens": MAX_TOKENS}), headers={"content-type": "application/json"})
+            "max_tokens": max_tokens}), headers={"content-type": "application/json"})
         resp = conn.getresponse()
         out["plain"] = (resp.status, resp.read())
     except Exception as exc:  # noqa: BLE001 - the test reports it
@@ -74,14 +91,15 @@ def _plain(sock: Path, out: dict[str, Any]) -> None:
         conn.close()
 
 
-def _stream(sock: Path, out: dict[str, Any], started: threading.Event) -> None:
+def _stream(sock: Path, out: dict[str, Any], started: threading.Event, max_tokens: int
+            ) -> None:
     conn = _Unix(sock)
     lines: list[str] = []
     out["stream"] = lines
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({
             "model": "smollm2", "prompt": PROMPTS[1], "temperature": 0,
-            "max_tokens": MAX_TOKENS, "stream": True}),
+            "max_tokens": max_tokens, "stream": True}),
             headers={"content-type": "application/json"})
         resp = conn.getresponse()
         out["stream_status"] = resp.status
@@ -109,15 +127,16 @@ def _states(root: Path) -> dict[str, str]:
         raw.close()
 
 
-def _sigterm_mid_generation(root: Path) -> dict[str, Any]:
-    """Start the daemon on root/config.toml, a plain and a streamed request, SIGTERM once the
-    stream has sent tokens; the two clients' outcomes and the daemon's exit status."""
+def _sigterm_mid_generation(root: Path, max_tokens: int) -> dict[str, Any]:
+    """Start the daemon on root/config.toml, a plain and a streamed request of `max_tokens`,
+    SIGTERM once the stream has sent tokens; the two clients' outcomes and the daemon's exit
+    status."""
     d = start(root)
     out: dict[str, Any] = {}
     started = threading.Event()
     try:
-        threads = [threading.Thread(target=_plain, args=(d.sock, out)),
-                   threading.Thread(target=_stream, args=(d.sock, out, started))]
+        threads = [threading.Thread(target=_plain, args=(d.sock, out, max_tokens)),
+                   threading.Thread(target=_stream, args=(d.sock, out, started, max_tokens))]
         for t in threads:
             t.start()
         assert started.wait(120), "the stream sent nothing"
@@ -148,10 +167,11 @@ def _stream_events(out: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def test_sigterm_answers_waiting_clients_and_keeps_their_requests(
-        root: Path, shared: dict[str, Any]) -> None:
+        root: Path, shared: dict[str, Any], engine: str) -> None:
     state = shared["state"]
-    write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT, drain_s=1)
-    out = _sigterm_mid_generation(root)
+    write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT, drain_s=1,
+                 engine=engine)
+    out = _sigterm_mid_generation(root, MAX_TOKENS[engine])
     assert out["exit"] == 0, out["log"]
 
     status, body = out["plain"]
@@ -172,7 +192,7 @@ def test_sigterm_answers_waiting_clients_and_keeps_their_requests(
     assert states[rid_plain] in ("queued", "running"), states
     assert states[rid_stream] in ("queued", "running"), states  # not cancelled: resumable
 
-    refs = references(None, state, PROMPTS, MAX_TOKENS, CONTEXT)
+    refs = references(None, state, PROMPTS, MAX_TOKENS[engine], CONTEXT, engine=engine)
     d = start(root)
     try:
         results = wait_done(d, [rid_plain, rid_stream], 240)
@@ -186,10 +206,10 @@ def test_sigterm_answers_waiting_clients_and_keeps_their_requests(
 
 
 def test_sigterm_without_journal_still_answers_every_client(
-        root: Path, shared: dict[str, Any]) -> None:
+        root: Path, shared: dict[str, Any], engine: str) -> None:
     write_config(root, shared["state"], {"smollm2": (None, True)}, context=CONTEXT,
-                 drain_s=1, journal=False)
-    out = _sigterm_mid_generation(root)
+                 drain_s=1, journal=False, engine=engine)
+    out = _sigterm_mid_generation(root, MAX_TOKENS[engine])
     assert out["exit"] == 0, out["log"]
     status, body = out["plain"]
     assert status == 503, out["plain"]

@@ -1,5 +1,9 @@
 """The journal inside the real daemon: runner killed under load, SIGTERM keeps queued work,
-sessions continue after a restart, warm tokenizer and model registry facts."""
+sessions continue after a restart, warm tokenizer and model registry facts.
+
+Every test but the warm start runs on both engines (the `engine` fixture), each against the
+references of its own engine; the warm start is the numpy engine's (llama.cpp's vocab-only load
+needs no tokenizer cache)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any
 
 import pytest
 from journal_harness import (
+    ENGINES,
     journal_tokens,
     kill,
     link_prepared,
@@ -34,6 +39,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 CONTEXT = 128
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """The engine of the daemons (and of the references) of the tests that take it."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +77,12 @@ def _journal_row(root: Path, sql: str, args: tuple[Any, ...] = ()) -> Any:
         raw.close()
 
 
-def test_runner_killed_under_load_loses_nothing(root: Path, shared: dict[str, Any]) -> None:
+def test_runner_killed_under_load_loses_nothing(root: Path, shared: dict[str, Any],
+                                                engine: str) -> None:
     state = shared["state"]
     max_tokens = 24
-    refs = references(None, state, PROMPTS, max_tokens, CONTEXT)
-    write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT)
+    refs = references(None, state, PROMPTS, max_tokens, CONTEXT, engine=engine)
+    write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT, engine=engine)
     d = start(root)
     try:
         pid0 = d.health()["pid"]
@@ -110,13 +122,13 @@ def test_runner_killed_under_load_loses_nothing(root: Path, shared: dict[str, An
     assert "runner (pid" in (root / "daemon.log").read_text()
 
 
-def test_sigterm_keeps_queued_requests_for_the_next_start(root: Path,
-                                                          shared: dict[str, Any]) -> None:
+def test_sigterm_keeps_queued_requests_for_the_next_start(root: Path, shared: dict[str, Any],
+                                                          engine: str) -> None:
     state = shared["state"]
     max_tokens = 40
-    refs = references(None, state, PROMPTS, max_tokens, CONTEXT)
+    refs = references(None, state, PROMPTS, max_tokens, CONTEXT, engine=engine)
     write_config(root, state, {"smollm2": (None, True)}, context=CONTEXT, max_batch=1,
-                 drain_s=0.5)
+                 drain_s=0.5, engine=engine)
     d = start(root)
     answer: dict[str, Any] = {}
     try:
@@ -166,7 +178,8 @@ def test_sigterm_keeps_queued_requests_for_the_next_start(root: Path,
         assert results[rid]["text"] == refs[prompt][1]
 
 
-def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any]) -> None:
+def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any],
+                                           engine: str) -> None:
     from edge_agent.daemon.sessions import continuation_ids
     from edge_agent.runtime.gguf import GGUFFile
     from edge_agent.runtime.tokenizer import Tokenizer
@@ -174,7 +187,7 @@ def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any]) -
     tiny = shared["tiny"]
     tok = Tokenizer.from_metadata(GGUFFile(tiny).metadata)
     write_config(root, shared["state"], {"tiny": (tiny, True), "smollm2": (None, False)},
-                 context=CONTEXT, max_batch=1)
+                 context=CONTEXT, max_batch=1, engine=engine)
     journal = root / "journal.sqlite3"
     first = [{"role": "user", "content": "Hi, I am Ada."}]
     d = start(root)
@@ -304,13 +317,14 @@ def test_warm_start_takes_the_tokenizer_from_the_journal(root: Path,
         kill(d)
 
 
-def test_start_reads_only_open_work_and_prunes_after_ready(root: Path,
-                                                            shared: dict[str, Any]) -> None:
+def test_start_reads_only_open_work_and_prunes_after_ready(root: Path, shared: dict[str, Any],
+                                                            engine: str) -> None:
     """Finished requests beyond `max_finished` are pruned after READY (in batches, reported
     in /health), not before; the start path reports its steps."""
     from edge_agent.daemon.durable import PRUNE_BATCH
 
-    write_config(root, shared["state"], {"tiny": (shared["tiny"], True)}, context=CONTEXT)
+    write_config(root, shared["state"], {"tiny": (shared["tiny"], True)}, context=CONTEXT,
+                 engine=engine)
     text = (root / "config.toml").read_text().replace(
         'ack = "durable"\n', 'ack = "durable"\nmax_finished = 10\n')
     (root / "config.toml").write_text(text)

@@ -6,6 +6,7 @@ share it) and, when socat is installed, one end of a socat pty pair that is kill
 API at temperature 0 (the same scheduler and runner serve both). Structured output on both UART
 paths (a SCHEMA frame and GENERATE's extension; the console's `schema` and `gen --schema`) is
 checked with json.loads + jsonschema and against the HTTP API's answer to the same request.
+The module runs twice, on a daemon of each engine (the `engine` fixture).
 """
 
 from __future__ import annotations
@@ -120,8 +121,14 @@ def start_socat(a: Path, b: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a daemon on each engine."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def served(prepared_state_dir: Path) -> Iterator[Served]:
+def served(prepared_state_dir: Path, engine: str) -> Iterator[Served]:
     root = Path(tempfile.mkdtemp(prefix="eu-", dir="/tmp"))
     master, slave = os.openpty()
     slave_path = os.ttyname(slave)
@@ -138,12 +145,13 @@ def served(prepared_state_dir: Path) -> Iterator[Served]:
         cfg.write_text(
             f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{prepared_state_dir}"\n'
             "drain_timeout_s = 5\n"
-            '[runtime]\nengine = "llamacpp"\nmlock = "best-effort"\nthreads = 1\n'
+            f'[runtime]\nengine = "{engine}"\nmlock = "best-effort"\nthreads = 1\n'
             "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n"
             f'[serial]\nport = "{",".join(ports)}"\nbaudrate = 115200\nmax_line = 256\n'
         )
         with launch(Served, root, serve_argv(cfg), ready_timeout=150) as s:
             s.pty, s.socat_link, s.socat_peer, s.socat = Pty(master), link, peer, socat
+            assert s.health()["models"]["smollm2"]["engine"] == engine
             yield s
             s.proc.send_signal(signal.SIGTERM)
             assert s.proc.wait(30) == 0, s.log_tail()
