@@ -5,6 +5,8 @@ Every message says what was tried, on what, what came back, and a `Hint:` with w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "EdgeAgentError",
     "ConfigError",
@@ -89,6 +91,12 @@ class ServiceError(EdgeAgentError):
 class ShuttingDown(ServiceError):
     """The daemon is stopping; the service manager brings it back."""
 
+    @classmethod
+    def new_request(cls) -> ShuttingDown:
+        """The refusal of a new generation or embedding request while the daemon stops."""
+        return cls("the daemon is shutting down. Hint: retry when it is back (systemd "
+                   "restarts it).", retry_after_s=5)
+
 
 class AdmissionRefused(ServiceError):
     """New requests are not admitted now (memory pressure stage `stage`)."""
@@ -104,6 +112,13 @@ class ModelNotFound(ServiceError):
     def __init__(self, message: str, *, name: str) -> None:
         super().__init__(message)
         self.name = name
+
+    @classmethod
+    def in_request(cls, name: str, registered: Iterable[str]) -> ModelNotFound:
+        """A request's `model` field names none of the `registered` models."""
+        return cls(f"field 'model': no model named {name!r} (registered: "
+                   f"{', '.join(sorted(registered))}). Hint: GET /v1/models lists them; add a "
+                   "[models.NAME] table.", name=name)
 
 
 class ModelFailed(ServiceError):

@@ -272,18 +272,13 @@ class Daemon:
 
     def submit(self, req: GenerationRequest) -> RequestRecord:
         if self.stopping:
-            raise ShuttingDown("the daemon is shutting down. "
-                               "Hint: retry when it is back (systemd restarts it).",
-                               retry_after_s=5)
+            raise ShuttingDown.new_request()
         self.journal.check_admission()  # 507 + Retry-After while the journal cannot be written
         self.memory.check_admission()  # 503 + Retry-After from pressure stage 2 on
         name = req.model or self.config.default_model
         svc = self.services.get(name)
         if svc is None:
-            raise ModelNotFound(f"field 'model': no model named {name!r} "
-                                f"(registered: {', '.join(sorted(self.services))}). "
-                                "Hint: GET /v1/models lists them; add a [models.NAME] table.",
-                                name=name)
+            raise ModelNotFound.in_request(name, self.services)
         if req.session is not None and not req.chat:
             raise InvalidRequest(f"field 'session': session "
                                  f"{req.session!r} is a conversation of chat messages; a plain "

@@ -78,17 +78,12 @@ async def create_embeddings(req: EmbeddingsRequest, *, stopping: bool,
     `check_admission` raises while memory pressure refuses work; `tokenizer` opens a model's
     vocabulary (a bad GGUF marks the model FAILED and raises)."""
     if stopping:
-        raise ShuttingDown("the daemon is shutting down. "
-                           "Hint: retry when it is back (systemd restarts it).",
-                           retry_after_s=5)
+        raise ShuttingDown.new_request()
     check_admission()  # 503 + Retry-After from pressure stage 2 on
     name = req.model or default_model
     svc = services.get(name)
     if svc is None:
-        raise ModelNotFound(f"field 'model': no model named {name!r} "
-                            f"(registered: {', '.join(sorted(services))}). "
-                            "Hint: GET /v1/models lists them; add a [models.NAME] table.",
-                            name=name)
+        raise ModelNotFound.in_request(name, services)
     tok = tokenizer(svc)  # a bad GGUF marks the model FAILED: 503 naming it
     refusal = svc.embedding_refusal()
     if refusal is not None:

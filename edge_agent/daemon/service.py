@@ -825,7 +825,7 @@ class ModelService:
             if vocab is not None:
                 await vocab
         except Exception as exc:  # noqa: BLE001 - any failure must leave LOADING (FAILED)
-            if vocab is not None and not vocab.done():  # the runner failed first
+            if vocab is not None:  # the runner failed first: let the read end, take its error
                 with contextlib.suppress(Exception):
                     await vocab
             reason = str(exc) if isinstance(exc, (EdgeAgentError, OSError)) else (

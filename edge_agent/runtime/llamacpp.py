@@ -491,10 +491,11 @@ class LlamaCppEngine:
             return tokens, errors
         last_row: dict[int, np.ndarray] = {}
         # A resumed sequence's prompt is prefilled; its generated tokens are replayed one
-        # position per llama_decode, as the steps of the uninterrupted run wrote them: a cell
-        # a prefill writes differs in its last bits from one a decode step writes, and the
-        # continuation must be the tokens the uninterrupted run gives (a greedy near-tie flips
-        # otherwise). `prompt_end[k]`: where sequence k's prefill stops.
+        # position per llama_decode, as the steps of the uninterrupted run wrote them: with 64
+        # or more rows of one sequence llama.cpp's flash attention takes its tiled kernel, so a
+        # prefill of them would write other bits, and the continuation must be the tokens the
+        # uninterrupted run gives (a greedy near-tie flips otherwise; docs/engines.md).
+        # `prompt_end[k]`: where sequence k's prefill stops.
         prompt_end = [len(r[1]) - len(r[0].generated) for r in ready]
         try:
             spans = [(n, r[1][:end]) for n, r, end in zip(reused, ready, prompt_end, strict=True)]
