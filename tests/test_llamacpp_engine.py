@@ -12,6 +12,7 @@ give identical tokens, and so does a resume by prefill.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -278,6 +279,35 @@ def test_busy_slots_stay_together_and_steps_list_them_in_order(
         for n in ["a", "c", "d", "e"]:
             engine.release(n)
         engine.clear_cache()
+
+
+def test_the_probe_verdict_is_remembered_by_what_it_depends_on(
+        engine: LlamaCppEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up probe runs once per model file, build, CPU and shape: its verdict comes
+    from the cache file next time, a changed input probes again, a damaged file is
+    rewritten."""
+    cache = tmp_path / "state" / "batch-invariance.json"
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    probes: list[int] = []
+    probe = engine._probe_invariance
+    monkeypatch.setattr(engine, "_probe_invariance",
+                        lambda i: (probes.append(1), probe(i))[1])
+    verdict = engine.batch_invariance(ids, cache=cache)
+    assert probes == [1] and cache.exists()
+    engine.exact_reuse = not verdict
+    assert engine.batch_invariance(ids, cache=cache) is verdict and probes == [1]
+    assert engine.exact_reuse is verdict  # the prompt cache's mode follows the verdict
+    stored = json.loads(cache.read_text())["verdicts"]
+    stored = {k: not v for k, v in stored.items()}  # a stored verdict is taken as it is
+    cache.write_text(json.dumps({"verdicts": stored}))
+    assert engine.batch_invariance(ids, cache=cache) is (not verdict) and probes == [1]
+    engine.batch_invariance(ids[:-1], cache=cache)  # another probe prompt: probed
+    assert probes == [1, 1]
+    monkeypatch.setattr(engine, "threads", engine.threads + 1)
+    assert engine.batch_invariance(ids, cache=cache) is verdict and len(probes) == 3
+    cache.write_text("{damaged")
+    assert engine.batch_invariance(ids, cache=cache) is verdict and len(probes) == 4
+    assert json.loads(cache.read_text())["verdicts"] == {engine._probe_key(ids): verdict}
 
 
 def test_gemma3_kernels_depend_on_the_batch_here(model: Path, engine: LlamaCppEngine) -> None:

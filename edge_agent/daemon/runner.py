@@ -74,6 +74,7 @@ from edge_agent.runtime.engines import EngineLike, load_engine
 __all__ = ["main", "WARMUP_ID"]
 
 WARMUP_ID = "__warmup__"
+INVARIANCE_CACHE = "batch-invariance.json"  # the warm-up probe's verdicts, in the state dir
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "min_p",
                   "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n",
                   "logit_bias", "logprobs")
@@ -229,7 +230,8 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine.add(WARMUP_ID, engine.warmup_ids(), _params({"max_tokens": 2}))
         engine.step([WARMUP_ID])
         engine.release(WARMUP_ID)
-        invariant = engine.batch_invariance(engine.warmup_ids())
+        invariant = engine.batch_invariance(engine.warmup_ids(), cache=Path(args.state_dir)
+                                            / INVARIANCE_CACHE)
     except EdgeAgentError as exc:
         _send(sock, Failed(error=f"warm-up forward failed: {exc}"))
         return 1

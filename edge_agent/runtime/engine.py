@@ -178,10 +178,12 @@ class Engine:
         bos = None if self.tokenizer is None else self.tokenizer.bos_id
         return [1 if bos is None else bos]
 
-    def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
+    def batch_invariance(self, prompt_ids: Sequence[int], *, cache: Path | None = None
+                         ) -> bool:
         """True: this engine computes each sequence's rows with the same BLAS calls whatever
         shares the step (per-sequence attention, row-independent matrix products; proven by
-        tests/test_engine.py's batch tests against the same requests alone)."""
+        tests/test_engine.py's batch tests against the same requests alone); nothing is
+        measured, so `cache` is not used."""
         return True
 
     def embed(self, token_lists: Sequence[Sequence[int]]) -> Any:

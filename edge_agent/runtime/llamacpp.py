@@ -47,6 +47,7 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import itertools
@@ -149,6 +150,50 @@ class _Seq:
     def history(self) -> list[int]:
         """The penalty window's source, prompt + sampled tokens (empty: no penalty asked)."""
         return [*self.kv, self.last] if self.params.penalized else []
+
+
+VERDICTS_KEPT = 32  # batch-invariance verdicts a cache file keeps (the newest)
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags as /proc/cpuinfo gives them (its first processor)."""
+    keep = ("model name", "flags", "features", "cpu implementer", "cpu part")
+    lines: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if not line.strip() and lines:
+                break  # the first processor's block
+            name = line.split(":", 1)[0].strip().lower()
+            if name in keep:
+                lines.append(line.strip())
+    return "\n".join(lines)
+
+
+def _read_verdicts(path: Path) -> dict[str, Any]:
+    """The verdicts of a cache file; {} when it is missing or not one (then it is rewritten)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    verdicts = data.get("verdicts") if isinstance(data, dict) else None
+    return verdicts if isinstance(verdicts, dict) else {}
+
+
+def _write_verdict(path: Path, key: str, verdict: bool) -> None:
+    """Add `key`'s verdict to the cache file (atomically; a failure costs the next probe)."""
+    verdicts = {k: v for k, v in _read_verdicts(path).items() if k != key}
+    verdicts[key] = verdict
+    kept = dict(list(verdicts.items())[-VERDICTS_KEPT:])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"verdicts": kept}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("batch-invariance cache %s not written (%s); the next load probes again",
+                    path, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _prefill_chunks(spans: list[tuple[int, list[int]]]) -> Iterator[list[tuple[int, int, int]]]:
@@ -750,15 +795,45 @@ class LlamaCppEngine:
         self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._held.pop(slot, None)
 
-    def batch_invariance(self, prompt_ids: Sequence[int]) -> bool:
+    def batch_invariance(self, prompt_ids: Sequence[int], *, cache: Path | None = None
+                         ) -> bool:
         """Measured, not assumed: does one decode step give a sequence bit-identical logits
         alone and next to 1, 3 and 7 others (as many as max_batch allows)? Some models' kernels
         change with the number of tokens in a step (on x86-64, Gemma 3's K-quant and repacked
         Q4_0 matrix products switch kernels at 2, 4 and 8 rows), so their tokens may depend
         on what shares the batch; llama-family Q4_0/Q4_1/Q8_0 files here do not. Needs free
         slots: call it before serving (the runner does, at warm-up). Sets `exact_reuse`
-        (the prompt cache's mode) to the answer and leaves the prompt cache empty."""
+        (the prompt cache's mode) to the answer and leaves the prompt cache empty.
+
+        `cache`: a JSON file of earlier verdicts (the runner's is in the state directory), by
+        everything the kernels' choice depends on: the model file, its context and batch,
+        the probe prompt, the thread count, llama.cpp's libraries and the CPU's features. A
+        verdict found there is taken without the probe (0.2 s of every load, measured)."""
         ids = [int(i) for i in prompt_ids] or self.warmup_ids()
+        key = self._probe_key(ids) if cache is not None else ""
+        known = _read_verdicts(cache).get(key) if cache is not None else None
+        if isinstance(known, bool):
+            self.clear_cache()
+            self.exact_reuse = known
+            return known
+        invariant = self._probe_invariance(ids)
+        if cache is not None:
+            _write_verdict(cache, key, invariant)
+        return invariant
+
+    def _probe_key(self, ids: list[int]) -> str:
+        lib_dir = Path(getattr(self._lib, "__file__", ".")).parent / "lib"
+        libs = []
+        for lib in sorted(lib_dir.glob("lib*.so*")):
+            with contextlib.suppress(OSError):
+                st = lib.stat()
+                libs.append([lib.name, st.st_size, st.st_mtime_ns])
+        st = self.path.stat()
+        parts = [self.identity(), str(self.path.resolve()), st.st_mtime_ns, self.threads,
+                 self.max_batch, ids, libs, _cpu_features()]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    def _probe_invariance(self, ids: list[int]) -> bool:
         params = SamplingParams(max_tokens=2)
         rows: list[np.ndarray] = []
         for company in sorted({min(n, self.max_batch - 1) for n in (0, 1, 3, 7)}):
