@@ -27,8 +27,6 @@ from typing import Any
 
 from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
-from edge_agent.runtime.chat_template import GGUFChatTemplate
-from edge_agent.runtime.constrain import check_grammar, json_grammar, tool_call_grammar
 
 __all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "parse_tool_calls", "tool_calls"]
 
@@ -45,6 +43,8 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 @functools.lru_cache(maxsize=64)
 def _checked(grammar: str) -> str | None:
+    from edge_agent.runtime.constrain import check_grammar  # llguidance: on first use
+
     return check_grammar(grammar)
 
 
@@ -57,6 +57,8 @@ def _offered(req: GenerationRequest) -> list[dict[str, Any]]:
 
 def _native(tok: Any) -> tuple[bool, bool]:
     """(the chat template renders tools, its calls are <tool_call> blocks)."""
+    from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
+
     template = tok.chat_template
     if not isinstance(template, GGUFChatTemplate):
         return False, False  # none, or the numpy engine's ChatML: tools go in a system message
@@ -74,6 +76,9 @@ def _native(tok: Any) -> tuple[bool, bool]:
 def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
     """The grammar the output must follow (None: unconstrained); InvalidRequest naming the
     field ("field 'x': ...") when it cannot be used."""
+    # llguidance and numpy load on the first constrained request, not at every start
+    from edge_agent.runtime.constrain import json_grammar, tool_call_grammar
+
     choice = req.tool_choice
     functions = _offered(req)
     if functions and choice != "auto":
