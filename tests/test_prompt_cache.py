@@ -3,7 +3,8 @@
 Engine level, on the two shipped models: a released slot keeps its cells; a new prompt takes
 the free slot holding its longest common prefix and prefills only the rest; unmatched prompts
 evict the least recently released slot; on the batch-invariant SmolLM2 a hit gives the very
-tokens a cold prefill gives (greedy and seeded sampling, alone and in a batch); on Gemma 3
+tokens a cold prefill gives (greedy and seeded sampling, alone and in a batch), and the same
+prompt again takes its cells and its last logits and decodes nothing; on Gemma 3
 (sliding-window layers, not batch-invariant) a tail is cut only while the window before the
 cut is still held. The oracle for "same tokens" is the same engine with its cache cleared.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,71 @@ def test_a_hit_gives_the_tokens_of_a_cold_prefill(engine: LlamaCppEngine,
         both, cached = _run(engine, {"t2": turn2, "o": company}, params)
         assert cached["t2"] > 0 and both == cold_both, n
         engine.clear_cache()
+
+
+def _run_lp(e: LlamaCppEngine, prompts: dict[str, list[int]], params: SamplingParams,
+            n: int = 12) -> tuple[dict[str, list[int]], dict[str, int], dict[str, object]]:
+    """`_run` with the first token's log-probabilities (params ask for them) by id."""
+    first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in prompts.items()])
+    assert not errors, errors
+    out = {sid: [tok] for sid, tok in first.items()}
+    lps: dict[str, object] = dict(e.last_logprobs)
+    cached = {sid: e.cached_tokens(sid) for sid in prompts}
+    try:
+        for _ in range(n - 1):
+            for sid, tok in e.step(list(prompts)).items():
+                out[sid].append(tok)
+    finally:
+        for sid in prompts:
+            e.release(sid)
+    return out, cached, lps
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_same_prompt_again_takes_its_cells_and_its_logits(engine: LlamaCppEngine,
+                                                               params: SamplingParams) -> None:
+    """A retry or a regenerated reply: the same short prompt (no whole BATCH_TOKENS piece to
+    reuse by prefix, and its slot holds a reply twice its length) takes the cells and the
+    last row's logits its first prefill wrote, and decodes nothing: the tokens and the first
+    token's log-probabilities are a cold prefill's, alone and next to a new sequence."""
+    tok = engine.tokenizer
+    params = replace(params, logprobs=3)
+    short = tok.encode("Once upon a time, a lighthouse keeper")
+    other = tok.encode("The moon rose over the harbour")
+    cold, cached, cold_lp = _run_lp(engine, {"a": short}, params, n=3 * len(short))
+    assert cached == {"a": 0}
+    again, cached, again_lp = _run_lp(engine, {"a2": short}, params, n=3 * len(short))
+    assert cached == {"a2": len(short)}
+    assert again["a2"] == cold["a"] and again_lp["a2"] == cold_lp["a"]
+    engine.clear_cache()
+    cold_both, cached, cold_both_lp = _run_lp(engine, {"a": short, "o": other}, params)
+    assert cached == {"a": 0, "o": 0}
+    engine.clear_cache()
+    _run(engine, {"a": short}, params, n=3 * len(short))
+    both, cached, both_lp = _run_lp(engine, {"a": short, "o": other}, params)
+    assert cached == {"a": len(short), "o": 0}
+    assert both == cold_both and both_lp == cold_both_lp
+    assert both["a"] == cold["a"][:len(both["a"])]  # short sequences: batch-invariant here
+    # a longer or shorter prompt is not the same prompt: prefix rules (nothing reused here)
+    _, cached = _run(engine, {"b": short[:-1]}, params, n=2)
+    assert cached == {"b": 0}
+
+
+def test_a_resume_never_takes_a_whole_prompt_hit(engine: LlamaCppEngine) -> None:
+    """A plain prompt equal to a resumed request's prompt + journaled tokens: its slot's
+    logits were written by a prefill, the resume's by one decode per journaled token, so the
+    resume does not take them (it continues the uninterrupted run's tokens)."""
+    short = engine.tokenizer.encode("Once upon a time, a lighthouse keeper")
+    whole = _run(engine, {"r": short}, GREEDY, n=16)[0]["r"]
+    cut = 6
+    _run(engine, {"p": short + whole[:cut]}, GREEDY, n=2)  # its slot: this prompt's logits
+    token = engine.add("r2", short, GREEDY, generated=whole[:cut])
+    try:
+        assert engine.cached_tokens("r2") == 0
+        rest = [token] + [engine.step(["r2"])["r2"] for _ in range(len(whole) - cut - 1)]
+    finally:
+        engine.release("r2")
+    assert whole[:cut] + rest == whole
 
 
 def test_a_resume_continues_its_journaled_tokens_whatever_the_cache_holds(

@@ -246,13 +246,15 @@ def llamacpp_budget_bytes(facts: ModelFacts, max_batch: int, context: int, *,
                           overhead_bytes: int = 0, embeddings: bool = False) -> int:
     """Bytes a llama.cpp runner holds resident: the weights as stored, the KV cache (f16
     cells, `max_batch` sequences of `context` tokens, sliding-window layers their window),
-    the compute buffer a decode of up to BATCH_TOKENS touches, `overhead_bytes` for the
+    the compute buffer a decode of up to BATCH_TOKENS touches, the logits of each slot's
+    prompt end (float32, kept for the prompt cache's whole-prompt hits), `overhead_bytes` for the
     process itself, and with `embeddings` (the model can embed: it pools) the embedding
     context its first embedding request creates (`llamacpp_embed_bytes`)."""
     kv = facts.kv_bytes(context, sequences=max_batch)
     # measured on SmolLM2-135M (49,152 tokens) and Gemma 3 270M (262,144) at max_batch 2 and 8:
     # the compute buffer, logits and outputs grow with the vocabulary and the batch
     compute = (32 << 20) + (2 << 20) * max_batch + 256 * facts.vocab_size
+    compute += 4 * facts.vocab_size * max_batch  # a prompt's last logits row per slot
     embed = llamacpp_embed_bytes(facts, context) if embeddings else 0
     return facts.tensor_bytes + kv + compute + embed + overhead_bytes
 

@@ -14,7 +14,9 @@ Invariants owned here:
   (prompt + fed tokens; checked against the cache's last position). `add` takes the free slot
   whose remembered tokens share the longest common prefix with the new prompt (llama-server's
   slot selection by LCP), removes the cells after that prefix and prefills the rest only; at
-  least one token is always decoded (its logits give the first token). On a batch-invariant
+  least one token is decoded (its logits give the first token), except on a whole-prompt hit:
+  a slot keeps the logits of its prompt's last row, and the same prompt again (a retry, a
+  regenerated reply) takes its cells and those logits, and decodes nothing. On a batch-invariant
   model (`exact_reuse`, measured by `batch_invariance`) only cells a prefill wrote are reused,
   in whole BATCH_TOKENS pieces, so a hit gives the same tokens as a cold prefill; on others
   every held cell is (their tokens may already differ with the batch). A slot is reused by
@@ -141,6 +143,7 @@ class _Seq:
     kv: list[int] = field(default_factory=list)  # the tokens the KV cells hold, in order
     cached: int = 0  # tokens of the prompt (+ resumed tokens) the prompt cache gave at add
     prefilled: int = 0  # leading cells a prefill wrote (the rest: one decode step each)
+    end: np.ndarray | None = None  # the prompt's last logits (added without generated tokens)
 
     @property
     def length(self) -> int:
@@ -335,6 +338,8 @@ class LlamaCppEngine:
         self._free_slots = list(range(max_batch))  # least recently released first
         # free slot -> (the tokens its KV cells hold, how many of them a prefill wrote)
         self._held: dict[int, tuple[list[int], int]] = {}
+        # held slot -> (n, the logits of the last row of its first n tokens, a whole prompt)
+        self._ends: dict[int, tuple[int, np.ndarray]] = {}
         self.exact_reuse = True  # batch_invariance() measures it; see _reusable
         self._n_swa = int(lib.llama_model_n_swa(model))  # 0: no sliding-window layers
         self._ids = itertools.count()
@@ -538,22 +543,28 @@ class LlamaCppEngine:
         self.last_logprobs = {}
         ready: list[tuple[NewSeq, list[int], int]] = []
         reused: list[int] = []  # per ready sequence: its leading tokens already in the cache
+        hits: list[np.ndarray | None] = []  # per ready sequence: the logits of a whole hit
         for seq in new:
             try:
                 ids = self._check_new(seq, len(ready))
             except LlamaCppError as exc:
                 errors[seq.seq_id] = exc
                 continue
-            slot, keep = self._take_slot(ids, [r[2] for r in ready])
+            slot, keep, end = self._take_slot(ids, [r[2] for r in ready],
+                                              whole=not seq.generated)
             ready.append((seq, ids, slot))
             reused.append(keep)
+            hits.append(end)
         if not ready:
             return tokens, errors
         # slot order, so that llama.cpp computes consecutive slots' rows together (see step)
         by_slot = sorted(range(len(ready)), key=lambda k: ready[k][2])
         ready = [ready[k] for k in by_slot]
         reused = [reused[k] for k in by_slot]
-        last_row: dict[int, np.ndarray] = {}
+        # a whole-prompt hit: its cells are all there, its first token comes from its logits
+        last_row: dict[int, np.ndarray] = {k: end for k, end in
+                                           enumerate(hits[j] for j in by_slot)
+                                           if end is not None}
         # A resumed sequence's prompt is prefilled; its generated tokens are replayed one
         # position per llama_decode, as the steps of the uninterrupted run wrote them: with 64
         # or more rows of one sequence llama.cpp's flash attention takes its tiled kernel, so a
@@ -591,7 +602,8 @@ class LlamaCppEngine:
             self._free_slots.remove(slot)
             self._seqs[seq.seq_id] = _Seq(slot=slot, params=seq.params, last=int(token),
                                           generated=len(seq.generated) + 1, kv=ids,
-                                          cached=reused[k], prefilled=prompt_end[k])
+                                          cached=reused[k], prefilled=prompt_end[k],
+                                          end=None if seq.generated else last_row[k])
             tokens[seq.seq_id] = int(token)
             if lp is not None:
                 self.last_logprobs[seq.seq_id] = lp
@@ -642,6 +654,8 @@ class LlamaCppEngine:
             self._free_slots.append(q.slot)  # the most recently released: evicted last
             if self._lib.llama_memory_seq_pos_max(self._mem, q.slot) == len(q.kv) - 1:
                 self._held[q.slot] = (q.kv, q.prefilled)
+                if q.end is not None:
+                    self._ends[q.slot] = (q.prefilled, q.end)
             else:  # the cells are not what we think they are: never reuse them
                 self._clear_slot(q.slot)
 
@@ -685,6 +699,8 @@ class LlamaCppEngine:
                 if n < len(held) and self._lib.llama_memory_seq_rm(self._mem, slot, n, -1):
                     held = held[:n]
                     self._held[slot] = (held, min(prefilled, n))
+                    if self._ends.get(slot, (0,))[0] > n:
+                        self._ends.pop(slot)
                 else:
                     n = len(held)
             size = int(self._lib.llama_state_seq_get_size(self._ctx, slot))
@@ -740,10 +756,24 @@ class LlamaCppEngine:
         return True
 
     # -- the prompt cache ---------------------------------------------------------------------
-    def _take_slot(self, ids: list[int], taken: list[int]) -> tuple[int, int]:
-        """A free slot for prompt `ids` (not one in `taken`) and how many leading tokens of
-        `ids` its KV cells already hold; the cells after those are removed."""
+    def _take_slot(self, ids: list[int], taken: list[int], *, whole: bool
+                   ) -> tuple[int, int, np.ndarray | None]:
+        """A free slot for prompt `ids` (not one in `taken`), how many leading tokens of
+        `ids` its KV cells already hold (the cells after those are removed) and, on a
+        whole-prompt hit, the logits of the prompt's last row.
+
+        `whole`: `ids` is a prompt alone (no resumed tokens), so a slot that was added with
+        exactly this prompt gives all of it: its cells and its last row's logits are those a
+        prefill of `ids` wrote, bit for bit, whatever shared that prefill's calls on a
+        batch-invariant model (a hit cuts off the reply the slot held: this prompt's own)."""
         free = [s for s in self._free_slots if s not in taken]
+        if whole:
+            for slot in free:
+                n, end = self._ends.get(slot, (0, None))
+                if (end is not None and n == len(ids) and self._held[slot][0][:n] == ids
+                        and self._swa_keeps(slot, n) == n):
+                    self._cut(slot, n)
+                    return slot, n, end
         best, keep = -1, 0
         for slot in free:  # least recently released first: ties go to the older slot
             held, prefilled = self._held.get(slot, ((), 0))
@@ -764,14 +794,20 @@ class LlamaCppEngine:
             rank = {slot: i for i, slot in enumerate(free)}
             best = min(free, key=lambda slot: (-((slot - 1) in busy) - ((slot + 1) in busy),
                                                slot in self._held, rank[slot]))
+        return best, self._cut(best, keep), None
+
+    def _cut(self, slot: int, keep: int) -> int:
+        """Take `slot` out of the prompt cache keeping its first `keep` cells; how many it
+        keeps (0 when its memory cannot drop a tail: recurrent state)."""
         if keep == 0:
-            self._clear_slot(best)
-        elif keep < len(self._held[best][0]):
-            if not self._lib.llama_memory_seq_rm(self._mem, best, keep, -1):
-                self._clear_slot(best)  # this memory cannot drop a tail (recurrent state)
+            self._clear_slot(slot)
+        elif keep < len(self._held[slot][0]):
+            if not self._lib.llama_memory_seq_rm(self._mem, slot, keep, -1):
+                self._clear_slot(slot)
                 keep = 0
-        self._held.pop(best, None)
-        return best, keep
+        self._held.pop(slot, None)
+        self._ends.pop(slot, None)
+        return keep
 
     def _reusable(self, slot: int, keep: int, prefilled: int) -> int:
         """How many of the first `keep` held tokens of `slot` a new sequence may use.
@@ -785,6 +821,11 @@ class LlamaCppEngine:
         appending is always safe."""
         if self.exact_reuse:
             keep = min(keep, prefilled) // BATCH_TOKENS * BATCH_TOKENS
+        return self._swa_keeps(slot, keep)
+
+    def _swa_keeps(self, slot: int, keep: int) -> int:
+        """`keep`, or 0 when cutting `slot` after `keep` cells would need sliding-window
+        cells its cache no longer holds."""
         held = len(self._held.get(slot, ((), 0))[0])
         if keep <= 0 or self._n_swa == 0 or keep >= held:
             return max(keep, 0)
@@ -794,6 +835,7 @@ class LlamaCppEngine:
     def _clear_slot(self, slot: int) -> None:
         self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._held.pop(slot, None)
+        self._ends.pop(slot, None)
 
     def batch_invariance(self, prompt_ids: Sequence[int], *, cache: Path | None = None
                          ) -> bool:
