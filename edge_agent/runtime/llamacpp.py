@@ -772,8 +772,9 @@ class LlamaCppEngine:
                 n, end = self._ends.get(slot, (0, None))
                 if (end is not None and n == len(ids) and self._held[slot][0][:n] == ids
                         and self._swa_keeps(slot, n) == n):
-                    self._cut(slot, n)
-                    return slot, n, end
+                    if self._cut(slot, n) == n:
+                        return slot, n, end
+                    break  # its memory could not drop the reply (recurrent state): a miss
         best, keep = -1, 0
         for slot in free:  # least recently released first: ties go to the older slot
             held, prefilled = self._held.get(slot, ((), 0))
