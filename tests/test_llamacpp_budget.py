@@ -44,14 +44,27 @@ def daemon(gemma_path: Path) -> Iterator[Daemon]:
         yield d
 
 
+def _verdict(model: str, gemma_path: Path) -> bool:
+    """The batch-invariance probe's verdict in this process, shaped as the daemon loads the
+    model: /health must report what its runner's warm-up measured (on this CPU: Gemma 3's
+    kernels switch with the rows in a step, SmolLM2's do not; test_llamacpp_engine.py)."""
+    from edge_agent.runtime.llamacpp import LlamaCppEngine
+
+    path = default_model_path() if model == "smollm2" else gemma_path
+    with LlamaCppEngine.load(path, max_batch=4, context=512, threads=2, mlock="off") as e:
+        return e.batch_invariance(())
+
+
 @pytest.mark.parametrize("model", ["smollm2", "gemma"])
-def test_budget_within_15_percent_of_the_runner_rss(daemon: Daemon, model: str) -> None:
+def test_budget_within_15_percent_of_the_runner_rss(daemon: Daemon, model: str,
+                                                    gemma_path: Path) -> None:
     for n in (40, 160):  # a short and a long prefill (the long one fills a 512-token chunk)
         status, r = daemon.json("POST", "/v1/completions", {
             "model": model, "prompt": "hello world, " * n, "max_tokens": 8})
         assert status == 200, r
     m = daemon.health()["models"][model]
     assert m["engine"] == "llamacpp"
+    assert m["batch_invariant"] is _verdict(model, gemma_path), m
     rss = _rss(int(m["runner_pid"]))
     ratio = m["budget_bytes"] / rss
     assert 0.85 <= ratio <= 1.15, (f"{model}: budget {m['budget_bytes'] >> 20} MiB, runner RSS "

@@ -160,6 +160,7 @@ def test_smollm2_is_batch_invariant_and_resumes_exactly(model: Path,
     if model != default_model_path():
         pytest.skip("measured per model: the default SmolLM2 Q4_1 is invariant here")
     assert engine.batch_invariance(engine.tokenizer.encode(PROMPTS[0]))
+    assert engine.batch_invariance(())  # the runner's probe prompt
     tok = engine.tokenizer
     for prompt in PROMPTS[:4]:
         ids = tok.encode(prompt)
@@ -317,6 +318,8 @@ def test_gemma3_kernels_depend_on_the_batch_here(model: Path, engine: LlamaCppEn
     if model == default_model_path():
         pytest.skip("Gemma 3 only")
     assert engine.batch_invariance(engine.tokenizer.encode(PROMPTS[0])) is False
+    assert engine.batch_invariance(()) is False  # the runner's probe prompt sees it too
+    # (a lone BOS does not: one token's logits after it are the same for 1 to 8 rows here)
 
 
 def test_gemma3_has_no_chat_template_and_says_which_key(model: Path,

@@ -230,8 +230,8 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine.add(WARMUP_ID, engine.warmup_ids(), _params({"max_tokens": 2}))
         engine.step([WARMUP_ID])
         engine.release(WARMUP_ID)
-        invariant = engine.batch_invariance(engine.warmup_ids(), cache=Path(args.state_dir)
-                                            / INVARIANCE_CACHE)
+        # () : the engine's own probe prompt (real text; a lone BOS hides kernel switches)
+        invariant = engine.batch_invariance((), cache=Path(args.state_dir) / INVARIANCE_CACHE)
     except EdgeAgentError as exc:
         _send(sock, Failed(error=f"warm-up forward failed: {exc}"))
         return 1

@@ -87,6 +87,10 @@ BATCH_TOKENS = 512  # tokens per llama_decode call while prefilling (llama.cpp's
 # llama.cpp's CPU flash attention takes its tiled kernel when one sequence has this many query
 # rows in a compute (GGML_FA_TILE_Q in ggml-cpu), and other bits come out than row by row
 FA_TILE_ROWS = 64
+# the batch-invariance probe's prompt when none is given (the runner's): real text, as a
+# lone BOS hides the difference (measured: Gemma 3's logits after BOS alone are the same with
+# 1, 2, 4 and 8 rows in the step, after this prompt they are not)
+PROBE_TEXT = "Once upon a time, in a village by the sea, there lived"
 
 
 class LlamaCppError(EdgeAgentError):
@@ -847,12 +851,13 @@ class LlamaCppEngine:
         on what shares the batch; llama-family Q4_0/Q4_1/Q8_0 files here do not. Needs free
         slots: call it before serving (the runner does, at warm-up). Sets `exact_reuse`
         (the prompt cache's mode) to the answer and leaves the prompt cache empty.
+        `prompt_ids` is the probe's prompt; empty (the runner's call): PROBE_TEXT.
 
         `cache`: a JSON file of earlier verdicts (the runner's is in the state directory), by
         everything the kernels' choice depends on: the model file, its context and batch,
         the probe prompt, the thread count, llama.cpp's libraries and the CPU's features. A
         verdict found there is taken without the probe (0.2 s of every load, measured)."""
-        ids = [int(i) for i in prompt_ids] or self.warmup_ids()
+        ids = [int(i) for i in prompt_ids] or self.tokenizer.encode(PROBE_TEXT)
         key = self._probe_key(ids) if cache is not None else ""
         known = _read_verdicts(cache).get(key) if cache is not None else None
         if isinstance(known, bool):
