@@ -69,9 +69,17 @@ def _ids(e: LlamaCppEngine, topic: str, n: int = 36) -> list[int]:
 def _run(e: LlamaCppEngine, prompts: dict[str, list[int]], params: SamplingParams,
          n: int = 12) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Add `prompts` together, step them `n - 1` times; (tokens, cached) by id; released."""
+    out, cached, _ = _run_lp(e, prompts, params, n)
+    return out, cached
+
+
+def _run_lp(e: LlamaCppEngine, prompts: dict[str, list[int]], params: SamplingParams,
+            n: int = 12) -> tuple[dict[str, list[int]], dict[str, int], dict[str, object]]:
+    """`_run`, and the first token's log-probabilities by id (when params ask for them)."""
     first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in prompts.items()])
     assert not errors, errors
     out = {sid: [tok] for sid, tok in first.items()}
+    lps: dict[str, object] = dict(e.last_logprobs)
     cached = {sid: e.cached_tokens(sid) for sid in prompts}
     try:
         for _ in range(n - 1):
@@ -80,7 +88,7 @@ def _run(e: LlamaCppEngine, prompts: dict[str, list[int]], params: SamplingParam
     finally:
         for sid in prompts:
             e.release(sid)
-    return out, cached
+    return out, cached, lps
 
 
 def test_a_new_prompt_takes_the_slot_with_its_longest_prefix(engine: LlamaCppEngine) -> None:
@@ -142,24 +150,6 @@ def test_a_hit_gives_the_tokens_of_a_cold_prefill(engine: LlamaCppEngine,
         both, cached = _run(engine, {"t2": turn2, "o": company}, params)
         assert cached["t2"] > 0 and both == cold_both, n
         engine.clear_cache()
-
-
-def _run_lp(e: LlamaCppEngine, prompts: dict[str, list[int]], params: SamplingParams,
-            n: int = 12) -> tuple[dict[str, list[int]], dict[str, int], dict[str, object]]:
-    """`_run` with the first token's log-probabilities (params ask for them) by id."""
-    first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in prompts.items()])
-    assert not errors, errors
-    out = {sid: [tok] for sid, tok in first.items()}
-    lps: dict[str, object] = dict(e.last_logprobs)
-    cached = {sid: e.cached_tokens(sid) for sid in prompts}
-    try:
-        for _ in range(n - 1):
-            for sid, tok in e.step(list(prompts)).items():
-                out[sid].append(tok)
-    finally:
-        for sid in prompts:
-            e.release(sid)
-    return out, cached, lps
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
