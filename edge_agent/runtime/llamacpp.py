@@ -22,7 +22,7 @@ Invariants owned here:
   every held cell is (their tokens may already differ with the batch). A slot is reused by
   prefix only when the prefix keeps at least half of what it holds (a shared system prompt
   does not cut a long conversation's cache); otherwise an empty slot, else the least recently
-  released one, is cleared. The memory is the slots that exist; nothing else is kept.
+  released one, is cleared. The memory is the slots that exist and a logits row each.
 - Sliding-window models (`llama_model_n_swa` > 0, `swa_full` off) keep only the window in
   their SWA layers: cells after the prefix are removed only when the window before it is
   still held (llama-server's `pos_min` check); else the slot is cleared. Appending to what a
