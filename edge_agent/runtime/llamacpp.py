@@ -21,8 +21,9 @@ Invariants owned here:
   in whole BATCH_TOKENS pieces, so a hit gives the same tokens as a cold prefill; on others
   every held cell is (their tokens may already differ with the batch). A slot is reused by
   prefix only when the prefix keeps at least half of what it holds (a shared system prompt
-  does not cut a long conversation's cache); otherwise an empty slot, else the least recently
-  released one, is cleared. The memory is the slots that exist and a logits row each.
+  does not cut a long conversation's cache); otherwise the free slot next to the most busy
+  ones, then an empty one, then the least recently released one, is cleared. The memory is
+  the slots that exist and a logits row each.
 - Sliding-window models (`llama_model_n_swa` > 0, `swa_full` off) keep only the window in
   their SWA layers: cells after the prefix are removed only when the window before it is
   still held (llama-server's `pos_min` check); else the slot is cleared. Appending to what a
