@@ -343,8 +343,9 @@ class LlamaCppEngine:
         self._free_slots = list(range(max_batch))  # least recently released first
         # free slot -> (the tokens its KV cells hold, how many of them a prefill wrote)
         self._held: dict[int, tuple[list[int], int]] = {}
-        # held slot -> (n, the logits of the last row of its first n tokens, a whole prompt)
-        self._ends: dict[int, tuple[int, np.ndarray]] = {}
+        # held slot -> the logits of the last of its prefilled cells, when those are a whole
+        # prompt (added without generated tokens)
+        self._ends: dict[int, np.ndarray] = {}
         self.exact_reuse = True  # batch_invariance() measures it; see _reusable
         self._n_swa = int(lib.llama_model_n_swa(model))  # 0: no sliding-window layers
         self._ids = itertools.count()
@@ -566,10 +567,9 @@ class LlamaCppEngine:
         by_slot = sorted(range(len(ready)), key=lambda k: ready[k][2])
         ready = [ready[k] for k in by_slot]
         reused = [reused[k] for k in by_slot]
+        hits = [hits[k] for k in by_slot]
         # a whole-prompt hit: its cells are all there, its first token comes from its logits
-        last_row: dict[int, np.ndarray] = {k: end for k, end in
-                                           enumerate(hits[j] for j in by_slot)
-                                           if end is not None}
+        last_row = {k: end for k, end in enumerate(hits) if end is not None}
         # A resumed sequence's prompt is prefilled; its generated tokens are replayed one
         # position per llama_decode, as the steps of the uninterrupted run wrote them: with 64
         # or more rows of one sequence llama.cpp's flash attention takes its tiled kernel, so a
@@ -660,7 +660,7 @@ class LlamaCppEngine:
             if self._lib.llama_memory_seq_pos_max(self._mem, q.slot) == len(q.kv) - 1:
                 self._held[q.slot] = (q.kv, q.prefilled)
                 if q.end is not None:
-                    self._ends[q.slot] = (q.prefilled, q.end)
+                    self._ends[q.slot] = q.end
             else:  # the cells are not what we think they are: never reuse them
                 self._clear_slot(q.slot)
 
@@ -704,8 +704,8 @@ class LlamaCppEngine:
                 if n < len(held) and self._lib.llama_memory_seq_rm(self._mem, slot, n, -1):
                     held = held[:n]
                     self._held[slot] = (held, min(prefilled, n))
-                    if self._ends.get(slot, (0,))[0] > n:
-                        self._ends.pop(slot)
+                    if prefilled > n:  # the prompt's last row is cut off
+                        self._ends.pop(slot, None)
                 else:
                     n = len(held)
             size = int(self._lib.llama_state_seq_get_size(self._ctx, slot))
@@ -774,8 +774,9 @@ class LlamaCppEngine:
         free = [s for s in self._free_slots if s not in taken]
         if whole:
             for slot in free:
-                n, end = self._ends.get(slot, (0, None))
-                if (end is not None and n == len(ids) and self._held[slot][0][:n] == ids
+                end = self._ends.get(slot)
+                held, n = self._held.get(slot, ((), 0))
+                if (end is not None and n == len(ids) and held[:n] == ids
                         and self._swa_keeps(slot, n) == n):
                     if self._cut(slot, n) == n:
                         return slot, n, end
