@@ -13,6 +13,8 @@ give identical tokens, and so does a resume by prefill.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -381,3 +383,23 @@ def test_numpy_tokenizer_tokenizes_as_llama_cpp(tokenizer: object, parse_special
                                               parse_special=parse_special), text
     finally:
         vocab.close()
+
+
+def test_the_engine_loads_the_bindings_without_the_high_level_api() -> None:
+    """The control plane and the runner import only llama-cpp-python's ctypes bindings (its
+    package `__init__` would import llama.py, jinja2, diskcache and numpy for an API they never
+    use); the high-level API still works in a process that asks for it afterwards."""
+    probe = (
+        "import sys\n"
+        "from edge_agent.runtime.llama_vocab import llama_lib\n"
+        "lib = llama_lib()\n"
+        "print(sorted(m for m in ('llama_cpp.llama', 'jinja2', 'diskcache', 'numpy')"
+        " if m in sys.modules))\n"
+        "import llama_cpp\n"
+        "from llama_cpp import Llama\n"
+        "print(llama_cpp.__version__, Llama.__module__, llama_cpp.llama_cpp is lib)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out[0] == "[]", out
+    assert out[1] == f"{llama_cpp.__version__} llama_cpp.llama True", out
