@@ -33,6 +33,7 @@ is its step time. SmolLM2 also gets one run of the daemon on the numpy engine (i
 threads), against the median llama-server figures.
 
     .venv/bin/python bench/serve.py [--runs 3] [--models smollm2,gemma3] [--threads N] [--json]
+                                    [--decode alone]
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ class DaemonServer(Server):
 
 
 def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
-                  threads: int | None, port: int) -> Path:
+                  threads: int | None, port: int, decode: str = "batched") -> Path:
     cfg = root / "config.toml"
     thr = f"threads = {threads}\n" if threads else ""
     cfg.write_text(
@@ -303,7 +304,7 @@ def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: s
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state_dir}"\n'
         f'tcp = "127.0.0.1:{port}"\n'
         f"[scheduler]\nqueue_max = 64\nmax_batch_size = {MAX_BATCH}\n"
-        f'[runtime]\nengine = "{engine}"\n{thr}'
+        f'[runtime]\nengine = "{engine}"\ndecode = "{decode}"\n{thr}'
         f'[models.{model}]\npath = "{gguf}"\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\n'
         "preload = true\n")
     return cfg
@@ -311,9 +312,9 @@ def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: s
 
 @contextlib.contextmanager
 def run_daemon(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
-               threads: int | None) -> Iterator[Server]:
+               threads: int | None, decode: str = "batched") -> Iterator[Server]:
     port = free_port()
-    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port)
+    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port, decode)
     t0 = time.perf_counter()
     d = spawn(Daemon, root, ["-m", "edge_agent", "serve", "--config", str(cfg)],
               start_new_session=True)
@@ -530,6 +531,8 @@ def main() -> int:
     ap.add_argument("--state-dir", default=None,
                     help="the daemons' state directory (default: a fresh temporary one)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy engine's run")
+    ap.add_argument("--decode", choices=("batched", "alone"), default="batched",
+                    help="the daemon's runtime.decode (alone: one llama_decode per sequence)")
     ap.add_argument("--quiet-cpus", type=float, default=0.5,
                     help="before each measurement, wait until other processes keep at most "
                          "this many CPUs busy (negative: do not wait)")
@@ -548,8 +551,9 @@ def main() -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache/edge-agent")
     models = model_paths(args.models.split(","), cache / "models")
-    print(f"bench/serve.py: {threads} threads, runs {args.runs}, levels {levels}, "
-          f"{args.tokens} tokens; llama-server {bins['server']}", file=sys.stderr)
+    print(f"bench/serve.py: {threads} threads, decode {args.decode}, runs {args.runs}, "
+          f"levels {levels}, {args.tokens} tokens; llama-server {bins['server']}",
+          file=sys.stderr)
     results = []
     try:
         for model, gguf in models.items():
@@ -568,7 +572,7 @@ def main() -> int:
                         srv_root = Path(tempfile.mkdtemp(prefix="s-", dir=root))
                         servers[kind] = stack.enter_context(
                             run_daemon(srv_root, state_dir, model, copies[kind], "llamacpp",
-                                       threads)
+                                       threads, args.decode)
                             if kind == "daemon" else
                             run_llama_server(srv_root, bins["server"], copies[kind], threads))
                     got = measure(servers, lv, order, args.tokens,

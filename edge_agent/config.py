@@ -70,6 +70,7 @@ class RuntimeConfig:
     mlock: str = "best-effort"
     dtype: str = "f32"
     threads: int | None = None  # None: choose from the CPU count
+    decode: str = "batched"  # llamacpp: one llama_decode per step, or one per sequence (alone)
     memory_budget_bytes: int | None = None  # None ("max"): the cgroup limit, else MemAvailable
 
 
@@ -216,7 +217,7 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
         },
         "scheduler": asdict(SchedulerConfig()),
         "runtime": {"engine": "auto", "mlock": "best-effort", "dtype": "f32", "threads": "auto",
-                    "memory_budget_bytes": "max"},
+                    "decode": "batched", "memory_budget_bytes": "max"},
         "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
                    "rtscts": False, "echo": True, "max_line": 512, "mode": "auto"},
         "journal": {"enabled": True, "path": "", "sync": "full", "ack": "durable",

@@ -104,6 +104,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
                      "storage of prepared weights (numpy engine)"),
         "threads": Key(cv.threads, '"auto"', "compute threads per runner (auto: llamacpp uses "
                        "the cores the runner may use, by affinity and cgroup cpu.max; numpy 1)"),
+        "decode": Key(cv.choice("batched", "alone"), '"batched"', "llamacpp: batched (the "
+                      "sequences of a step share one llama_decode) or alone (one call per "
+                      "sequence: tokens never depend on what else runs, on every model; a "
+                      "fraction of batched throughput); the numpy engine is exact either way"),
         "memory_budget_bytes": Key(cv.size_or_max, '"max"', "memory for all loaded models "
                                    "(\"max\": the cgroup limit, else available RAM)"),
     },

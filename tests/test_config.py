@@ -174,6 +174,7 @@ def test_section_as_scalar_and_bad_model_name(tmp_path: Path) -> None:
         ("[runtime]\nmlock = 'always'", r"runtime\.mlock .*one of required, best-effort, off"),
         ("[runtime]\nmemory_budget_bytes = '2 bananas'", r"K/M/G/T"),
         ("[runtime]\nthreads = 0", r"'auto' or an integer from 1"),
+        ("[runtime]\ndecode = 'exact'", r"runtime\.decode .*one of batched, alone"),
         ("[server]\nsocket_mode = '0999'", r"octal file mode"),
         ("[server]\nmax_body_bytes = 'max'", r"no limit here"),
         ("[server]\ntcp = 'localhost'", r"HOST:PORT"),

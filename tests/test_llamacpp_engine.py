@@ -27,7 +27,7 @@ from edge_agent.runtime.sampling import SamplingParams
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python")
 
-from edge_agent.runtime.llamacpp import LlamaCppEngine  # noqa: E402
+from edge_agent.runtime.llamacpp import LlamaCppEngine, LlamaCppError  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "1, 2, 3, 4,",
            "The meaning of life is", "Water boils at", "In 1492,", "My favourite colour is"]
@@ -100,7 +100,10 @@ def test_weights_pinned_vmlck_covers_them(engine: LlamaCppEngine) -> None:
 
 def test_repacked_weights_are_locked_too(tmp_path: Path) -> None:
     """A Q4_0 file: llama.cpp repacks its matrices into anonymous memory for its CPU kernels;
-    a lock of the file alone would leave those copies pageable. Both are locked."""
+    a lock of the file alone would leave those copies pageable. Both are locked. The engine
+    finds the copies as the anonymous regions the load creates, so the load runs in a fresh
+    process, as in a runner (one model per process): in a process that loaded and freed other
+    engines, the allocator may put them in memory it already holds."""
     import ctypes
 
     from edge_agent.runtime.llama_vocab import llama_lib
@@ -112,14 +115,22 @@ def test_repacked_weights_are_locked_too(tmp_path: Path) -> None:
     q4_0 = tmp_path / "smollm2-q4_0.gguf"
     assert lib.llama_model_quantize(str(default_model_path()).encode(), str(q4_0).encode(),
                                     ctypes.byref(params)) == 0
-    with LlamaCppEngine.load(q4_0, max_batch=1, context=64, mlock="best-effort") as e:
-        report = e.lock_report()
-        assert report is not None
-        if not report["locked"]:
-            pytest.skip(f"mlock refused here: {report['error']}")
-        assert report["anonymous_bytes"] > 16 << 20  # the repacked copies
-        assert report["locked_bytes"] >= report["weight_bytes"] + report["anonymous_bytes"] // 2
-        assert report["vmlck_bytes"] >= report["locked_bytes"]
+    probe = (
+        "import json, sys\n"
+        "from edge_agent.runtime.llamacpp import LlamaCppEngine\n"
+        "with LlamaCppEngine.load(sys.argv[1], max_batch=1, context=64,"
+        " mlock='best-effort') as e:\n"
+        "    print(json.dumps(e.lock_report()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(q4_0)], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    report = json.loads(out.splitlines()[-1])
+    assert report is not None
+    if not report["locked"]:
+        pytest.skip(f"mlock refused here: {report['error']}")
+    assert report["anonymous_bytes"] > 16 << 20  # the repacked copies
+    assert report["locked_bytes"] >= report["weight_bytes"] + report["anonymous_bytes"] // 2
+    assert report["vmlck_bytes"] >= report["locked_bytes"]
 
 
 def _batch(engine: LlamaCppEngine, prompts: list[str], n: int) -> dict[str, list[int]]:
@@ -322,6 +333,70 @@ def test_gemma3_kernels_depend_on_the_batch_here(model: Path, engine: LlamaCppEn
     assert engine.batch_invariance(engine.tokenizer.encode(PROMPTS[0])) is False
     assert engine.batch_invariance(()) is False  # the runner's probe prompt sees it too
     # (a lone BOS does not: one token's logits after it are the same for 1 to 8 rows here)
+
+
+def test_decode_alone_makes_gemma3_exact(model: Path) -> None:
+    """`decode = "alone"` (one llama_decode per sequence): Gemma 3, whose tokens depend on its
+    batch when decoded batched (above), gives every prompt the same tokens alone and in a batch
+    of 8, the probe measures it invariant, and a resume by prefill continues exactly."""
+    if model == default_model_path():
+        pytest.skip("Gemma 3 only: the model batched decoding is not exact for")
+    e = LlamaCppEngine.load(model, max_batch=8, context=256, mlock="off", threads=2,
+                            decode="alone")
+    try:
+        assert e.describe()["decode"] == "alone"
+        assert e.batch_invariance(()) is True
+        tok = e.tokenizer
+        alone = [list(e.generate(tok.encode(p), GREEDY)) for p in PROMPTS]
+        batch = _batch(e, PROMPTS, GREEDY.max_tokens)
+        assert [_until_eog(e, batch[str(i)]) for i in range(len(PROMPTS))] == alone
+        for prompt, whole in zip(PROMPTS[:4], alone[:4], strict=True):
+            cut = len(whole) // 2
+            rest = [e.add("r", tok.encode(prompt), GREEDY, generated=whole[:cut])]
+            try:
+                while cut + len(rest) < len(whole):
+                    rest.append(e.step(["r"])["r"])
+            finally:
+                e.release("r")
+            assert whole[:cut] + rest[: len(whole) - cut] == whole, prompt
+    finally:
+        e.close()
+
+
+def test_a_failed_call_of_an_alone_step_advances_no_sequence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alone step is one llama_decode per sequence; when one of them fails, the cells the
+    earlier ones wrote are removed: no sequence advances, and the next step gives the tokens
+    an unbroken run gives."""
+    e = LlamaCppEngine.load(default_model_path(), max_batch=4, context=128, mlock="off",
+                            threads=2, decode="alone")
+    try:
+        tok = e.tokenizer
+        ids = {str(i): tok.encode(p) for i, p in enumerate(PROMPTS[:3])}
+        want = {k: list(e.generate(v, SamplingParams(max_tokens=2, temperature=0.0)))
+                for k, v in ids.items()}
+        first, errors = e.add_many([NewSeq(k, v, GREEDY) for k, v in ids.items()])
+        assert not errors and first == {k: w[0] for k, w in want.items()}
+        lengths = {k: e.length(k) for k in ids}
+        real, calls = e._decode, []
+
+        def second_call_fails(rows: list[tuple[int, int, int, bool]]) -> None:
+            calls.append(rows)
+            if len(calls) == 2:
+                raise LlamaCppError("llama_decode returned 1 (injected)")
+            real(rows)
+
+        monkeypatch.setattr(e, "_decode", second_call_fails)
+        with pytest.raises(LlamaCppError, match="injected"):
+            e.step(list(ids))
+        assert len(calls) == 2 and all(len(rows) == 1 for rows in calls)
+        monkeypatch.undo()
+        for k in ids:
+            assert e.length(k) == lengths[k]
+            assert e._lib.llama_memory_seq_pos_max(e._mem, e._seqs[k].slot) == lengths[k] - 1
+        assert e.step(list(ids)) == {k: w[1] for k, w in want.items()}
+    finally:
+        e.close()
 
 
 def test_gemma3_has_no_chat_template_and_says_which_key(model: Path,

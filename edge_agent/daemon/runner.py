@@ -94,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", help="auto, llamacpp or numpy")
     p.add_argument("--log-level", default="INFO", help="the control plane's edge_agent level")
     p.add_argument("--pooling", default="model", help="embeddings: model, mean, cls or last")
+    p.add_argument("--decode", default="batched", help="llamacpp: batched or alone")
     return p
 
 
@@ -219,7 +220,7 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine = load_engine(args.engine, Path(args.model), state_dir=Path(args.state_dir),
                              dtype=args.dtype, mlock=args.mlock, max_batch=args.max_batch,
                              context=args.context, threads=args.threads or None,
-                             progress=progress, pooling=args.pooling)
+                             progress=progress, pooling=args.pooling, decode=args.decode)
     except EdgeAgentError as exc:
         _send(sock, Failed(error=str(exc)))
         return 1

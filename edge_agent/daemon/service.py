@@ -745,7 +745,7 @@ class ModelService:
                 "--state-dir", str(self.state_dir), "--dtype", rt.dtype,
                 "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
                 "--context", str(self.context), "--threads", str(threads),
-                "--pooling", self.entry.pooling]
+                "--pooling", self.entry.pooling, "--decode", rt.decode]
 
     def _on_runner_event(self, msg: Progress | Status) -> None:
         now = time.monotonic()

@@ -132,15 +132,18 @@ def load_engine(engine: str, model_path: Path, *, state_dir: Path, dtype: str = 
                 mlock: str = "best-effort", max_batch: int = 8, context: int = 2048,
                 threads: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                pooling: str = "model") -> EngineLike:
+                pooling: str = "model", decode: str = "batched") -> EngineLike:
     """Load `model_path` on `engine` (a resolved name), pinned by the `mlock` policy;
-    `pooling` (POOLINGS) is how the llamacpp engine's `embed` pools (numpy embeds nothing)."""
+    `pooling` (POOLINGS) is how the llamacpp engine's `embed` pools (numpy embeds nothing);
+    `decode` how its sequences share llama_decode calls (the numpy engine's batched step is
+    already batch-invariant: it ignores it)."""
     name = resolve_engine(engine)
     if name == "llamacpp":
         from edge_agent.runtime.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine.load(model_path, mlock=mlock, max_batch=max_batch,
-                                   context=context, threads=threads, pooling=pooling)
+                                   context=context, threads=threads, pooling=pooling,
+                                   decode=decode)
     from edge_agent.runtime.engine import DEFAULT_THREADS, Engine
 
     return Engine.load(model_path, state_dir=state_dir, dtype=dtype, mlock=mlock,

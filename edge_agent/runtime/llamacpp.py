@@ -33,10 +33,18 @@ Invariants owned here:
 - Every token of one `llama_decode` call belongs to exactly one sequence; logits are requested
   only where a token is sampled (the last prompt token of an added sequence, every stepped
   token), and read back in batch order.
+- `decode = "alone"`: a `llama_decode` call holds the rows of one sequence only (a step is one
+  call per sequence, a prefill chunk one call per sequence in it), so llama.cpp picks its
+  kernels from that sequence alone and a request's tokens never depend on its company. A call
+  that fails removes the cells the step's earlier calls wrote, so the step stays
+  all-or-nothing.
 - Weights stay where llama.cpp puts them (the GGUF mapped, repacked copies in anonymous memory);
   pinning (`mlock` policy) locks exactly those: the file's mapping and the anonymous regions
   the model load created (seen in /proc/self/maps before and after), before the context (KV
-  cache, compute buffers) exists; the report reads VmLck back (>= the weights' bytes).
+  cache, compute buffers) exists; the report reads VmLck back (>= the weights' bytes). A runner
+  loads one model in a fresh process, where those copies get regions of their own; in a process
+  that loaded and freed other engines the allocator may reuse memory it holds, and such copies
+  are not found (the file's mapping still is).
 - The llama.cpp library is initialised once per process; its log goes to Python `logging`
   (logger `edge_agent.llama`), warnings and errors only.
 - `embed` never touches the generation context: sentence vectors come from a second llama
@@ -92,6 +100,10 @@ FA_TILE_ROWS = 64
 # lone BOS hides the difference (measured: Gemma 3's logits after BOS alone are the same with
 # 1, 2, 4 and 8 rows in the step, after this prompt they are not)
 PROBE_TEXT = "Once upon a time, in a village by the sea, there lived"
+# How sequences share llama_decode calls. batched: a step decodes every stepped sequence in one
+# call (llama-server's way); alone: one call per sequence, so no sequence's arithmetic depends
+# on what else runs (exact on every model, at the cost of batching's throughput).
+DECODE_MODES = ("batched", "alone")
 
 
 class LlamaCppError(EdgeAgentError):
@@ -280,7 +292,10 @@ class LlamaCppEngine:
 
     def __init__(self, path: Path, *, max_batch: int = 8, context: int = 2048,
                  threads: int | None = None, mlock: str = "best-effort",
-                 pooling: str = "model") -> None:
+                 pooling: str = "model", decode: str = "batched") -> None:
+        if decode not in DECODE_MODES:
+            raise LlamaCppError(f"decode mode {decode!r} is not valid. Hint: use one of "
+                                f"{', '.join(DECODE_MODES)}.")
         if max_batch < 1 or context < 2:
             raise LlamaCppError(f"llama.cpp engine: max_batch {max_batch} and context {context} "
                                 "must be >= 1 and >= 2. Hint: fix the model's settings.")
@@ -292,6 +307,7 @@ class LlamaCppEngine:
         self._lib = lib
         self.path = Path(path)
         self.threads = threads or default_threads()
+        self.decode = decode
         t0 = time.monotonic()
         mparams = lib.llama_model_default_params()
         mparams.load_mode = 1  # LLAMA_LOAD_MODE_MMAP: the page cache holds the file once
@@ -352,6 +368,9 @@ class LlamaCppEngine:
         self.constraints = Constraints(self.tokenizer, self.n_vocab)  # grammars by sequence
         # the log-probabilities of the last add_many / step, by sequence (those that asked)
         self.last_logprobs: dict[str, TokenLogprobs] = {}
+        # the last step's logits, rows in slot order (batched: a view, valid until the next
+        # decode); the batch-invariance probe compares them
+        self.step_logits = np.empty((0, 0), np.float32)
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
         self.mlock_policy = mlock
         self.lock: dict[str, Any] | None = None
@@ -370,11 +389,12 @@ class LlamaCppEngine:
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], *, mlock: str = "best-effort",
              max_batch: int = 8, context: int = 2048, threads: int | None = None,
-             pooling: str = "model", **_ignored: Any) -> LlamaCppEngine:
+             pooling: str = "model", decode: str = "batched",
+             **_ignored: Any) -> LlamaCppEngine:
         """Load `model_path` and pin the runner's memory by the `mlock` policy."""
         path = Path(model_path)
         engine = cls(path, max_batch=max_batch, context=context, threads=threads, mlock=mlock,
-                     pooling=pooling)
+                     pooling=pooling, decode=decode)
         try:
             engine.pin()
         except BaseException:
@@ -480,8 +500,9 @@ class LlamaCppEngine:
                 "architecture": arch, "parameters": int(lib.llama_model_n_params(model)),
                 "weight_bytes": int(lib.llama_model_size(model)),
                 "context": self.context, "max_batch": self.max_batch, "threads": self.threads,
-                "vocab_type": self.tokenizer.vocab_type, "vocab_size": self.n_vocab,
-                "pooling": self.pooling, "embedding_length": self.n_embd,
+                "decode": self.decode, "vocab_type": self.tokenizer.vocab_type,
+                "vocab_size": self.n_vocab, "pooling": self.pooling,
+                "embedding_length": self.n_embd,
                 "prompt_cache": {"slots": self.max_batch, "sliding_window": self._n_swa,
                                  "exact": self.exact_reuse,
                                  "held_tokens": sum(len(t) for t, _ in self._held.values())}}
@@ -633,8 +654,8 @@ class LlamaCppEngine:
         seq_ids = [seq_ids[i] for i in order]
         seqs = [seqs[i] for i in order]
         self.last_logprobs = {}
-        self._decode([(q.last, q.length, q.slot, True) for q in seqs])
-        logits = self._logits(len(seqs))  # (B, V)
+        logits = self._run([(q.last, q.length, q.slot, True) for q in seqs])  # (B, V)
+        self.step_logits = logits
         self.constraints.mask(seq_ids, logits)
         sampled, lps = sample_rows_with_logprobs(
             logits, [q.params for q in seqs], [q.generated for q in seqs],
@@ -881,6 +902,8 @@ class LlamaCppEngine:
         st = self.path.stat()
         parts = [self.identity(), str(self.path.resolve()), st.st_mtime_ns, self.threads,
                  self.max_batch, ids, libs, _cpu_features()]
+        if self.decode != "batched":  # (keys written before the mode existed stay valid)
+            parts.append(self.decode)
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def _probe_invariance(self, ids: list[int]) -> bool:
@@ -897,7 +920,7 @@ class LlamaCppEngine:
                     raise next(iter(errors.values()))
                 self.step([s.seq_id for s in seqs])
                 by_slot = sorted(seqs, key=lambda s: self._seqs[s.seq_id].slot)  # step's rows
-                rows.append(self._logits(len(seqs))[by_slot.index(seqs[0])].copy())
+                rows.append(self.step_logits[by_slot.index(seqs[0])].copy())
             finally:
                 for s in seqs:
                     self.release(s.seq_id)
@@ -1017,11 +1040,37 @@ class LlamaCppEngine:
         """One llama_decode of (sequence index, position, token) rows of sequences being
         added; the logits of a row at the last position of its sequence go to `last_row`."""
         outs = [k for k, pos, _ in chunk if pos == len(ready[k][1]) - 1]
-        self._decode([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
-                      for k, pos, tok in chunk])
-        rows = self._logits(len(outs))
+        rows = self._run([(tok, pos, ready[k][2], pos == len(ready[k][1]) - 1)
+                          for k, pos, tok in chunk])
         for j, k in enumerate(outs):
             last_row[k] = rows[j].copy()
+
+    def _run(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Decode (token, position, slot, wants logits) rows; the logits of the rows that want
+        them, in row order, (n, V) float32. Batched: one llama_decode (a view of llama.cpp's
+        buffer, valid until the next call: copy to keep). Alone: one call per slot (a copy);
+        if a call fails, the cells the earlier calls wrote are removed and the error raised."""
+        if self.decode == "batched" or len({slot for _, _, slot, _ in rows}) < 2:
+            self._decode(rows)
+            return self._logits(sum(1 for row in rows if row[3]))
+        groups: dict[int, list[int]] = {}
+        for i, (_, _, slot, _) in enumerate(rows):
+            groups.setdefault(slot, []).append(i)
+        out_index = {i: n for n, i in enumerate(i for i, row in enumerate(rows) if row[3])}
+        result = np.empty((len(out_index), self.n_vocab), np.float32)
+        done: list[tuple[int, int]] = []  # (slot, first position) of the calls made
+        for slot, idx in groups.items():
+            try:
+                self._decode([rows[i] for i in idx])
+            except LlamaCppError:
+                for s, first in done:
+                    self._lib.llama_memory_seq_rm(self._mem, s, first, -1)
+                raise
+            done.append((slot, min(rows[i][1] for i in idx)))
+            outs = [i for i in idx if rows[i][3]]
+            if outs:
+                result[[out_index[i] for i in outs]] = self._logits(len(outs))
+        return result
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, slot, wants logits) rows."""
