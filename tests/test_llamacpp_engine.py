@@ -174,19 +174,21 @@ def test_smollm2_is_batch_invariant_and_resumes_exactly(model: Path,
         pytest.skip("measured per model: the default SmolLM2 Q4_1 is invariant here")
     assert engine.batch_invariance(engine.tokenizer.encode(PROMPTS[0]))
     assert engine.batch_invariance(())  # the runner's probe prompt
-    tok = engine.tokenizer
     for prompt in PROMPTS[:4]:
-        ids = tok.encode(prompt)
-        whole = list(engine.generate(ids, GREEDY))
-        cut = len(whole) // 2
-        token = engine.add("r", ids, GREEDY, generated=whole[:cut])  # resume by prefill
-        rest = [token]
-        try:
-            while cut + len(rest) < len(whole):
-                rest.append(engine.step(["r"])["r"])
-        finally:
-            engine.release("r")
-        assert whole[:cut] + rest[: len(whole) - cut] == whole, prompt
+        whole = list(engine.generate(engine.tokenizer.encode(prompt), GREEDY))
+        assert _resumed_at_half(engine, prompt, whole) == whole, prompt
+
+
+def _resumed_at_half(engine: LlamaCppEngine, prompt: str, whole: list[int]) -> list[int]:
+    """`whole` (a greedy run of `prompt`) cut at its half and resumed by prefill."""
+    cut = len(whole) // 2
+    rest = [engine.add("r", engine.tokenizer.encode(prompt), GREEDY, generated=whole[:cut])]
+    try:
+        while cut + len(rest) < len(whole):
+            rest.append(engine.step(["r"])["r"])
+    finally:
+        engine.release("r")
+    return whole[:cut] + rest[: len(whole) - cut]
 
 
 def _run_with_logprobs(engine: LlamaCppEngine, ids: list[int], params: SamplingParams,
@@ -351,14 +353,7 @@ def test_decode_alone_makes_gemma3_exact(model: Path) -> None:
         batch = _batch(e, PROMPTS, GREEDY.max_tokens)
         assert [_until_eog(e, batch[str(i)]) for i in range(len(PROMPTS))] == alone
         for prompt, whole in zip(PROMPTS[:4], alone[:4], strict=True):
-            cut = len(whole) // 2
-            rest = [e.add("r", tok.encode(prompt), GREEDY, generated=whole[:cut])]
-            try:
-                while cut + len(rest) < len(whole):
-                    rest.append(e.step(["r"])["r"])
-            finally:
-                e.release("r")
-            assert whole[:cut] + rest[: len(whole) - cut] == whole, prompt
+            assert _resumed_at_half(e, prompt, whole) == whole, prompt
     finally:
         e.close()
 

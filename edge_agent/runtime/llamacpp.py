@@ -449,6 +449,7 @@ class LlamaCppEngine:
             lib.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "_ctx", None):
+            self.step_logits = np.empty((0, 0), np.float32)  # may view the context's buffer
             lib.llama_free(self._ctx)
             self._ctx = None
         if getattr(self, "_embed_batch", None) is not None:
