@@ -342,7 +342,7 @@ def test_decode_alone_makes_gemma3_exact(model: Path) -> None:
     batch when decoded batched (above), gives every prompt the same tokens alone and in a batch
     of 8, the probe measures it invariant, and a resume by prefill continues exactly."""
     if model == default_model_path():
-        pytest.skip("Gemma 3 only: the model batched decoding is not exact for")
+        pytest.skip("Gemma 3 only (the model whose batched decoding is not exact)")
     e = LlamaCppEngine.load(model, max_batch=8, context=256, mlock="off", threads=2,
                             decode="alone")
     try:
