@@ -368,9 +368,6 @@ class LlamaCppEngine:
         self.constraints = Constraints(self.tokenizer, self.n_vocab)  # grammars by sequence
         # the log-probabilities of the last add_many / step, by sequence (those that asked)
         self.last_logprobs: dict[str, TokenLogprobs] = {}
-        # the last step's logits, rows in slot order (batched: a view, valid until the next
-        # decode); the batch-invariance probe compares them
-        self.step_logits = np.empty((0, 0), np.float32)
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eog_ids)
         self.mlock_policy = mlock
         self.lock: dict[str, Any] | None = None
@@ -449,7 +446,6 @@ class LlamaCppEngine:
             lib.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "_ctx", None):
-            self.step_logits = np.empty((0, 0), np.float32)  # may view the context's buffer
             lib.llama_free(self._ctx)
             self._ctx = None
         if getattr(self, "_embed_batch", None) is not None:
@@ -656,7 +652,6 @@ class LlamaCppEngine:
         seqs = [seqs[i] for i in order]
         self.last_logprobs = {}
         logits = self._run([(q.last, q.length, q.slot, True) for q in seqs])  # (B, V)
-        self.step_logits = logits
         self.constraints.mask(seq_ids, logits)
         sampled, lps = sample_rows_with_logprobs(
             logits, [q.params for q in seqs], [q.generated for q in seqs],
@@ -919,9 +914,11 @@ class LlamaCppEngine:
                 _, errors = self.add_many(seqs)
                 if errors:
                     raise next(iter(errors.values()))
-                self.step([s.seq_id for s in seqs])
-                by_slot = sorted(seqs, key=lambda s: self._seqs[s.seq_id].slot)  # step's rows
-                rows.append(self.step_logits[by_slot.index(seqs[0])].copy())
+                # one decode step's rows, in slot order as step() lists them
+                qs = sorted((self._seqs[s.seq_id] for s in seqs), key=lambda q: q.slot)
+                logits = self._run([(q.last, q.length, q.slot, True) for q in qs])
+                probe = [q.slot for q in qs].index(self._seqs["_probe"].slot)
+                rows.append(logits[probe].copy())
             finally:
                 for s in seqs:
                     self.release(s.seq_id)
