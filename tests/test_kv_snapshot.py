@@ -4,7 +4,8 @@ Engine level (SmolLM2, batch-invariant, so exact reuse): the slot a finished tur
 snapshotted, a fresh engine (another process's view: nothing shared) restores it, and the
 session's next prompt hits the restored cells and gives the tokens a cold prefill gives (the
 oracle: the same engine with its cache cleared). A blob from another model, or for other
-tokens, is refused and changes nothing.
+tokens, is refused and changes nothing. Gemma 3 restores every held cell; decoded alone
+(`runtime.decode = "alone"`) its restored turn is exact too.
 
 Daemon level (a real `edge-agent serve`, the openai SDK): a session's turn, SIGTERM, a new
 daemon on the same state dir: the next turn reports cached prompt tokens.
@@ -17,6 +18,7 @@ import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,47 @@ def test_a_sliding_window_model_restores_every_held_cell(gemma_path: Path) -> No
         b.close()
         a.close()
 
+
+def test_gemma_decoded_alone_restores_like_a_cold_prefill(gemma_path: Path) -> None:
+    """`decode = "alone"` makes Gemma 3 batch-invariant (exact reuse): a snapshot restored in
+    a fresh engine serves the session's next turn, next to another new sequence, with the
+    tokens and log-probabilities a cold prefill of it alone gives."""
+    params = replace(GREEDY, logprobs=3)
+
+    def turn(e: LlamaCppEngine, seqs: dict[str, list[int]]) -> tuple[list[object], int]:
+        """Every (token, log-probabilities) of the first of `seqs`, and its cached tokens."""
+        first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in seqs.items()])
+        assert not errors, errors
+        sid = next(iter(seqs))
+        out: list[object] = [(first[sid], e.last_logprobs[sid])]
+        cached = e.cached_tokens(sid)
+        for _ in range(7):
+            out.append((e.step(list(seqs))[sid], e.last_logprobs[sid]))
+        for s in seqs:
+            e.release(s)
+        return out, cached
+
+    a = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2, decode="alone")
+    b = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2, decode="alone")
+    try:
+        assert a.batch_invariance(()) and b.batch_invariance(())  # the warm-up's probe
+        prompt = a.tokenizer.encode(_text("the lighthouse keeper", 50))
+        assert len(prompt) > BATCH_TOKENS
+        reply, _ = _turn(a, "t1", prompt)
+        history = prompt + reply
+        blob = a.snapshot(history)
+        assert blob is not None
+        nxt = history + a.tokenizer.encode(" Shorter, please.")
+        a.clear_cache()
+        cold, cached = turn(a, {"cold": nxt})
+        assert cached == 0
+        assert b.restore(history, blob)
+        warm, cached = turn(b, {"warm": nxt, "o": b.tokenizer.encode("The moon rose.")})
+        assert cached == len(prompt) // BATCH_TOKENS * BATCH_TOKENS > 0
+        assert warm == cold
+    finally:
+        b.close()
+        a.close()
 
 # ---- the journal -------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ evict the least recently released slot; on the batch-invariant SmolLM2 a hit giv
 tokens a cold prefill gives (greedy and seeded sampling, alone and in a batch), and the same
 prompt again takes its cells and its last logits and decodes nothing; on Gemma 3
 (sliding-window layers, not batch-invariant) a tail is cut only while the window before the
-cut is still held. The oracle for "same tokens" is the same engine with its cache cleared.
+cut is still held; decoded alone (`runtime.decode = "alone"`) it is batch-invariant and its hits
+are exact too. The oracle for "same tokens" is the same engine with its cache cleared.
 
 Daemon level (a real `edge-agent serve`, the openai SDK): a session's second turn reports
 cached prompt tokens in `usage.prompt_tokens_details`, /metrics counts them, /health says so.
@@ -259,6 +260,39 @@ def test_gemma_reuses_every_cell_and_cuts_a_tail_only_inside_the_window(
     # diverging far before the end: the window before the cut is gone, so no reuse
     _, cached = _run(e, {"l3": long[: len(long) // 2] + tok.encode(" Next.")}, GREEDY, n=2)
     assert cached == {"l3": 0}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_gemma_decoded_alone_reuses_in_the_exact_mode(gemma_path: Path,
+                                                      params: SamplingParams) -> None:
+    """`decode = "alone"`: the probe finds Gemma 3 batch-invariant, so its cache runs in the
+    exact mode. A session's next turn reuses whole prefill pieces, and the same prompt again
+    takes its cells and logits; each gives the tokens (and first log-probabilities) of a cold
+    prefill of that prompt alone, whether it runs alone or next to another new sequence."""
+    e = LlamaCppEngine.load(gemma_path, max_batch=4, context=2048, threads=2, decode="alone")
+    try:
+        assert e.batch_invariance(()) is True and e.exact_reuse is True
+        tok = e.tokenizer
+        params = replace(params, logprobs=3)
+        company = tok.encode("Tell me about the moon.")
+        first = _ids(e, "tides")
+        reply = _run(e, {"t1": first}, params)[0]["t1"]
+        turn2 = first + reply + tok.encode(" Tell me more.")
+        e.clear_cache()
+        cold, cached, cold_lp = _run_lp(e, {"t2": turn2}, params)
+        assert cached == {"t2": 0}
+        for others in ({}, {"o": company}):
+            e.clear_cache()
+            _run(e, {"t1": first}, params)  # the cache holds the first turn
+            warm, cached, warm_lp = _run_lp(e, {"t2": turn2, **others}, params)
+            assert cached["t2"] == len(first) // BATCH_TOKENS * BATCH_TOKENS > 0
+            assert (warm["t2"], warm_lp["t2"]) == (cold["t2"], cold_lp["t2"]), others
+            # the same prompt again: its cells and its last logits, nothing decoded
+            again, cached, again_lp = _run_lp(e, {"t3": turn2, **others}, params)
+            assert cached["t3"] == len(turn2)
+            assert (again["t3"], again_lp["t3"]) == (cold["t2"], cold_lp["t2"]), others
+    finally:
+        e.close()
 
 
 # ---- the daemon --------------------------------------------------------------------------------
