@@ -33,7 +33,7 @@ is its step time. SmolLM2 also gets one run of the daemon on the numpy engine (i
 threads), against the median llama-server figures.
 
     .venv/bin/python bench/serve.py [--runs 3] [--models smollm2,gemma3] [--threads N] [--json]
-                                    [--decode alone]
+                                    [--decode alone] [--journal-sync normal]
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ class DaemonServer(Server):
 
 
 def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
-                  threads: int | None, port: int, decode: str = "batched") -> Path:
+                  threads: int | None, port: int, decode: str = "batched",
+                  sync: str = "full") -> Path:
     cfg = root / "config.toml"
     thr = f"threads = {threads}\n" if threads else ""
     cfg.write_text(
@@ -305,6 +306,7 @@ def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: s
         f'tcp = "127.0.0.1:{port}"\n'
         f"[scheduler]\nqueue_max = 64\nmax_batch_size = {MAX_BATCH}\n"
         f'[runtime]\nengine = "{engine}"\ndecode = "{decode}"\n{thr}'
+        f'[journal]\nsync = "{sync}"\n'
         f'[models.{model}]\npath = "{gguf}"\ncontext = {CONTEXT}\nmax_batch = {MAX_BATCH}\n'
         "preload = true\n")
     return cfg
@@ -312,9 +314,10 @@ def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: s
 
 @contextlib.contextmanager
 def run_daemon(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
-               threads: int | None, decode: str = "batched") -> Iterator[Server]:
+               threads: int | None, decode: str = "batched",
+               sync: str = "full") -> Iterator[Server]:
     port = free_port()
-    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port, decode)
+    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port, decode, sync)
     t0 = time.perf_counter()
     d = spawn(Daemon, root, ["-m", "edge_agent", "serve", "--config", str(cfg)],
               start_new_session=True)
@@ -533,6 +536,9 @@ def main() -> int:
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy engine's run")
     ap.add_argument("--decode", choices=("batched", "alone"), default="batched",
                     help="the daemon's runtime.decode (alone: one llama_decode per sequence)")
+    ap.add_argument("--journal-sync", choices=("full", "extra", "normal", "off"),
+                    default="full", help="the daemon's journal.sync (normal: no fsync per "
+                    "decode step; a power cut may lose the last commits)")
     ap.add_argument("--quiet-cpus", type=float, default=0.5,
                     help="before each measurement, wait until other processes keep at most "
                          "this many CPUs busy (negative: do not wait)")
@@ -551,7 +557,8 @@ def main() -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache/edge-agent")
     models = model_paths(args.models.split(","), cache / "models")
-    print(f"bench/serve.py: {threads} threads, decode {args.decode}, runs {args.runs}, "
+    print(f"bench/serve.py: {threads} threads, decode {args.decode}, journal.sync "
+          f"{args.journal_sync}, runs {args.runs}, "
           f"levels {levels}, {args.tokens} tokens; llama-server {bins['server']}",
           file=sys.stderr)
     results = []
@@ -572,7 +579,7 @@ def main() -> int:
                         srv_root = Path(tempfile.mkdtemp(prefix="s-", dir=root))
                         servers[kind] = stack.enter_context(
                             run_daemon(srv_root, state_dir, model, copies[kind], "llamacpp",
-                                       threads, args.decode)
+                                       threads, args.decode, args.journal_sync)
                             if kind == "daemon" else
                             run_llama_server(srv_root, bins["server"], copies[kind], threads))
                     got = measure(servers, lv, order, args.tokens,
@@ -588,7 +595,7 @@ def main() -> int:
             if model == "smollm2" and not args.no_numpy:
                 srv_root = Path(tempfile.mkdtemp(prefix="s-", dir=root))
                 with run_daemon(srv_root, state_dir, model, copies["daemon"], "numpy",
-                                None) as server:
+                                None, sync=args.journal_sync) as server:
                     numpy = measure({"daemon": server}, levels, ["daemon"], args.tokens,
                                     (args.quiet_cpus, args.quiet_wait))["daemon"]
                 print(f"{model} numpy daemon: READY {numpy['ready_s']:.2f} s, "
