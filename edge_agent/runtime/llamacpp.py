@@ -645,13 +645,10 @@ class LlamaCppEngine:
             raise LlamaCppError(
                 f"engine: sequence {full[0]!r} has reached the context of {self.context} "
                 "tokens. Hint: release it (finish the request) or load a larger context.")
-        # rows in slot order: llama.cpp splits a step into one compute per run of consecutive
-        # slots (see _take_slot), and only rows listed in that order join their run
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        self.last_logprobs = {}
+        order, logits = self._step_logits(seqs)
         seq_ids = [seq_ids[i] for i in order]
         seqs = [seqs[i] for i in order]
-        self.last_logprobs = {}
-        logits = self._run([(q.last, q.length, q.slot, True) for q in seqs])  # (B, V)
         self.constraints.mask(seq_ids, logits)
         sampled, lps = sample_rows_with_logprobs(
             logits, [q.params for q in seqs], [q.generated for q in seqs],
@@ -666,6 +663,15 @@ class LlamaCppEngine:
             if lp is not None:
                 self.last_logprobs[sid] = lp
         return out
+
+    def _step_logits(self, seqs: list[_Seq]) -> tuple[list[int], np.ndarray]:
+        """One decode step of `seqs` (each fed its last token): the order of their rows and
+        the logits, (B, V) in that order. Rows go in slot order: llama.cpp splits a step into
+        one compute per run of consecutive slots (see _take_slot), and only rows listed in
+        that order join their run."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        return order, self._run([(seqs[i].last, seqs[i].length, seqs[i].slot, True)
+                                 for i in order])
 
     def release(self, seq_id: str) -> None:
         """Forget `seq_id`; its slot keeps the KV cells for the prompt cache (unknown ids are
@@ -914,11 +920,9 @@ class LlamaCppEngine:
                 _, errors = self.add_many(seqs)
                 if errors:
                     raise next(iter(errors.values()))
-                # one decode step's rows, in slot order as step() lists them
-                qs = sorted((self._seqs[s.seq_id] for s in seqs), key=lambda q: q.slot)
-                logits = self._run([(q.last, q.length, q.slot, True) for q in qs])
-                probe = [q.slot for q in qs].index(self._seqs["_probe"].slot)
-                rows.append(logits[probe].copy())
+                # the rows of one decode step, as step() decodes them (seqs[0] is the probe)
+                order, logits = self._step_logits([self._seqs[s.seq_id] for s in seqs])
+                rows.append(logits[order.index(0)].copy())
             finally:
                 for s in seqs:
                     self.release(s.seq_id)
