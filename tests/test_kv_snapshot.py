@@ -48,16 +48,26 @@ def _load() -> LlamaCppEngine:
     return e
 
 
-def _turn(e: LlamaCppEngine, sid: str, ids: list[int], n: int = 8) -> tuple[list[int], int]:
-    """Add `ids`, step to `n` tokens, release: (tokens, cached prompt tokens)."""
-    first, errors = e.add_many([NewSeq(sid, ids, GREEDY)])
+def _steps(e: LlamaCppEngine, seqs: dict[str, list[int]], params: SamplingParams = GREEDY,
+           n: int = 8) -> tuple[list[tuple[int, object]], int]:
+    """Add `seqs` together, step them to `n` tokens, release: the first one's (token, its
+    log-probabilities or None) and its cached prompt tokens."""
+    first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in seqs.items()])
     assert not errors, errors
-    out = [first[sid]]
+    sid = next(iter(seqs))
+    out = [(first[sid], e.last_logprobs.get(sid))]
     cached = e.cached_tokens(sid)
     for _ in range(n - 1):
-        out.append(e.step([sid])[sid])
-    e.release(sid)
+        out.append((e.step(list(seqs))[sid], e.last_logprobs.get(sid)))
+    for s in seqs:
+        e.release(s)
     return out, cached
+
+
+def _turn(e: LlamaCppEngine, sid: str, ids: list[int], n: int = 8) -> tuple[list[int], int]:
+    """Add `ids`, step to `n` tokens, release: (tokens, cached prompt tokens)."""
+    out, cached = _steps(e, {sid: ids}, n=n)
+    return [tok for tok, _ in out], cached
 
 
 @pytest.fixture(scope="module")
@@ -153,20 +163,6 @@ def test_gemma_decoded_alone_restores_like_a_cold_prefill(gemma_path: Path) -> N
     a fresh engine serves the session's next turn, next to another new sequence, with the
     tokens and log-probabilities a cold prefill of it alone gives."""
     params = replace(GREEDY, logprobs=3)
-
-    def turn(e: LlamaCppEngine, seqs: dict[str, list[int]]) -> tuple[list[object], int]:
-        """Every (token, log-probabilities) of the first of `seqs`, and its cached tokens."""
-        first, errors = e.add_many([NewSeq(sid, ids, params) for sid, ids in seqs.items()])
-        assert not errors, errors
-        sid = next(iter(seqs))
-        out: list[object] = [(first[sid], e.last_logprobs[sid])]
-        cached = e.cached_tokens(sid)
-        for _ in range(7):
-            out.append((e.step(list(seqs))[sid], e.last_logprobs[sid]))
-        for s in seqs:
-            e.release(s)
-        return out, cached
-
     a = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2, decode="alone")
     b = LlamaCppEngine.load(gemma_path, max_batch=2, context=2048, threads=2, decode="alone")
     try:
@@ -179,10 +175,12 @@ def test_gemma_decoded_alone_restores_like_a_cold_prefill(gemma_path: Path) -> N
         assert blob is not None
         nxt = history + a.tokenizer.encode(" Shorter, please.")
         a.clear_cache()
-        cold, cached = turn(a, {"cold": nxt})
+        cold, cached = _steps(a, {"cold": nxt}, params)
         assert cached == 0
+        assert all(lp is not None for _, lp in cold)  # log-probabilities are compared too
         assert b.restore(history, blob)
-        warm, cached = turn(b, {"warm": nxt, "o": b.tokenizer.encode("The moon rose.")})
+        warm, cached = _steps(b, {"warm": nxt, "o": b.tokenizer.encode("The moon rose.")},
+                              params)
         assert cached == len(prompt) // BATCH_TOKENS * BATCH_TOKENS > 0
         assert warm == cold
     finally:
