@@ -27,8 +27,8 @@ from edge_agent.errors import EXIT_OK, UsageError
 from edge_agent.paths import state_dir
 from edge_agent.runtime.engines import ENGINES
 from edge_agent.runtime.memlock import MLOCK_POLICIES
-from edge_agent.runtime.prepare import DTYPES
-from edge_agent.runtime.sampling import SamplingParams
+from edge_agent.runtime.prepared_format import DTYPES
+from edge_agent.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from edge_agent.client import DaemonClient

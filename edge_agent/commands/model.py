@@ -18,18 +18,13 @@ from typing import Any, TextIO
 
 from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ModelFileError
 from edge_agent.paths import default_model_path, state_dir
-from edge_agent.runtime import memlock, quant
+from edge_agent.runtime import memlock
 from edge_agent.runtime.gguf import GGUFFile
-from edge_agent.runtime.prepare import (
-    DTYPES,
-    PreparedInfo,
-    find_prepared,
-    prepare_model,
-    prepared_path,
-    prepared_size,
-    source_sha256,
-)
-from edge_agent.runtime.weights import MLOCK_POLICIES, PinnedWeights
+from edge_agent.runtime.memlock import MLOCK_POLICIES
+from edge_agent.runtime.prepared_format import DTYPES, PreparedInfo
+
+# numpy (the prepared weights, dequantization) is imported by the subcommands that use it:
+# building this parser is part of every `edge-agent` command, `serve` included
 
 __all__ = ["register", "StderrProgress", "describe_model"]
 
@@ -115,6 +110,8 @@ def _source(args: argparse.Namespace) -> Path:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from edge_agent.runtime.prepare import prepare_model
+
     src, state = _source(args), state_dir(args.state_dir)
     progress = StderrProgress(f"preparing {src.name} ({args.dtype})")
     calls = []
@@ -144,6 +141,9 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_pin(args: argparse.Namespace) -> int:
+    from edge_agent.runtime.prepare import find_prepared
+    from edge_agent.runtime.weights import PinnedWeights
+
     src, state = _source(args), state_dir(args.state_dir)
     path = find_prepared(src, state, args.dtype)
     if path is None:
@@ -226,6 +226,8 @@ def _chat_template(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepared_state(src: Path, state: Path, dtype: str, sha: str) -> dict[str, Any]:
+    from edge_agent.runtime.prepare import find_prepared, prepared_path
+
     path = prepared_path(state, sha, dtype)
     entry: dict[str, Any] = {"dtype": dtype, "path": str(path), "exists": path.exists(),
                              "matches_source": False, "error": None}
@@ -239,6 +241,9 @@ def _prepared_state(src: Path, state: Path, dtype: str, sha: str) -> dict[str, A
 
 def describe_model(src: Path, state: Path) -> dict[str, Any]:
     """Everything `model info` shows, as JSON-ready data."""
+    from edge_agent.runtime import quant
+    from edge_agent.runtime.prepare import prepared_size, source_sha256
+
     with GGUFFile(src) as g:
         meta = dict(g.metadata)
         arch = str(meta.get("general.architecture", "unknown"))

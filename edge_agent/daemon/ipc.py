@@ -15,7 +15,6 @@ Invariants owned here:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import json
@@ -24,9 +23,12 @@ import struct
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from edge_agent.errors import EdgeAgentError
+
+if TYPE_CHECKING:  # the runner reads frames without asyncio (imported by the control plane)
+    import asyncio
 
 __all__ = ["MAX_FRAME", "RunnerGone", "encode_frame", "read_frame", "recv_frame", "send_frame",
            "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown",
@@ -62,7 +64,7 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
         if n > MAX_FRAME:
             raise RunnerGone(f"runner sent a frame of {n} bytes (limit {MAX_FRAME})")
         return _decode(await reader.readexactly(n))
-    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+    except (EOFError, ConnectionError) as exc:  # EOFError: asyncio.IncompleteReadError
         raise RunnerGone("runner socket closed") from exc
 
 

@@ -46,8 +46,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
+from edge_agent.journal._sqlite_utils import sqlite_utils
 from edge_agent.journal.errors import JournalError, JournalMissingError, JournalVersionError
 from edge_agent.journal.migrations import MIGRATIONS, Migrations
 from edge_agent.journal.quarantine import (

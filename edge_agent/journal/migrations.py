@@ -39,7 +39,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 
-import sqlite_utils
+from edge_agent.journal._sqlite_utils import sqlite_utils
 
 __all__ = ["Migrations", "MIGRATIONS", "REQUEST_STATES", "FINISHED_STATES", "SECTOR_STATES",
            "schema_of"]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.runtime.prefill_groups import NewSeq
-from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs
+from edge_agent.runtime.sampling_params import SamplingParams, TokenLogprobs
 
 __all__ = ["EMBED_BATCH_TOKENS", "EMBED_LM_HEAD_BYTES", "ENGINES", "LLAMACPP_RUNNER_BASE_BYTES",
            "POOLINGS", "EngineLike", "ModelFacts", "TokenizerLike", "embed_batch_tokens",

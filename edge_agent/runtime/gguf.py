@@ -23,13 +23,14 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from edge_agent.errors import ModelFileError
 from edge_agent.filekind import not_regular
-from edge_agent.runtime import quant
+from edge_agent.runtime import ggml_types
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["GGUFFile", "TensorInfo", "SkippedStrings", "GGUF_MAGIC", "DEFAULT_ALIGNMENT"]
 
@@ -41,10 +42,6 @@ _SUPPORTED_VERSIONS = (2, 3)
 _SCALARS: dict[int, tuple[str, int]] = {
     0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
-}
-_NUMPY: dict[int, str] = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
-    11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -60,7 +57,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return quant.type_name(self.type_id)
+        return ggml_types.type_name(self.type_id)
 
     @property
     def n_elements(self) -> int:
@@ -138,10 +135,10 @@ class _Cursor:
         if type_id == _ARRAY:
             elem = self.scalar(4, f"array type of {key!r}")
             count = self.scalar(10, f"array length of {key!r}")
-            if elem in _NUMPY:
-                size = _SCALARS[elem][1]
+            if elem in _SCALARS:
+                fmt, size = _SCALARS[elem]
                 raw = self.take(count * size, f"array {key!r}")
-                return np.frombuffer(raw, dtype=_NUMPY[elem]).tolist()
+                return list(struct.unpack(f"<{count}{fmt[1]}", raw))
             if elem != _STRING:  # llama.cpp refuses nested arrays too; no unbounded recursion
                 raise ModelFileError(
                     f"{self.path}: metadata key {key!r} is an array of element type {elem} "
@@ -253,7 +250,7 @@ class GGUFFile:
             n = 1
             for d in shape:
                 n *= d
-            gtype = quant.type_info(type_id)  # any GGML type: its size, dequantizable or not
+            gtype = ggml_types.type_info(type_id)  # any GGML type: its size, dequantizable or not
             if gtype is None:
                 nbytes = 0  # not a GGML type: unknown size; refused when the tensor is read
             else:
@@ -263,7 +260,7 @@ class GGUFFile:
                         f"not a multiple of its block size {gtype.block_elems}. "
                         "Hint: the file is corrupt."
                     )
-                nbytes = quant.tensor_nbytes(gtype, n)
+                nbytes = ggml_types.tensor_nbytes(gtype, n)
             start = self.data_offset + offset
             if start + nbytes > self.size:
                 raise ModelFileError(
@@ -278,17 +275,23 @@ class GGUFFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a zero-copy read-only uint8 view of the mapping."""
+        import numpy as np  # here, not above: reading metadata needs no numpy
+
         info = self._info(name)
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as a new float32 array in numpy shape."""
+        from edge_agent.runtime import quant
+
         info = self._info(name)
         gtype = quant.type_by_id(info.type_id)
         assert gtype is not None
         return quant.dequantize(self.raw(name), gtype, info.n_elements).reshape(info.shape)
 
     def _info(self, name: str) -> TensorInfo:
+        from edge_agent.runtime import quant
+
         try:
             info = self.tensors[name]
         except KeyError:

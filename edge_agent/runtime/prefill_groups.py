@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edge_agent.runtime.sampling import SamplingParams
+from edge_agent.runtime.sampling_params import SamplingParams
 
 __all__ = ["NewSeq", "prefill_groups"]
 

@@ -231,7 +231,7 @@ def _write_tensor(g: GGUFFile, fd: int, t: PreparedTensor, done: int, total: int
     info = g.tensors[t.name]
     gtype = quant.type_by_id(info.type_id)
     assert gtype is not None
-    out_dtype = DTYPES[t.dtype]
+    out_dtype = np.dtype(DTYPES[t.dtype])
     raw = g.raw(t.name)
     n_blocks = info.n_elements // gtype.block_elems
     step = max(1, CHUNK_BYTES // (gtype.block_elems * 4))  # blocks per chunk

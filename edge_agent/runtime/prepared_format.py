@@ -28,6 +28,7 @@ Invariants owned here:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -36,20 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from edge_agent.errors import ModelFileError
 from edge_agent.runtime.gguf import GGUFFile
 
 __all__ = [
-    "MAGIC", "FORMAT_VERSION", "ALIGNMENT", "DTYPES", "PreparedTensor", "PreparedInfo",
+    "MAGIC", "FORMAT_VERSION", "ALIGNMENT", "DTYPES", "DTYPE_BYTES", "PreparedTensor",
+    "PreparedInfo",
     "bad_prepared", "encode_layout",
 ]
 
 MAGIC = b"EAWEIGHT"
 FORMAT_VERSION = 1
 ALIGNMENT = 4096
-DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
+# prepared dtype -> numpy dtype string, and its bytes per element (no numpy import here:
+# the CLI and the control plane read these without the numpy they never compute with)
+DTYPES: dict[str, str] = {"f32": "<f4", "f16": "<f2"}
+DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2}
 _FIXED = struct.Struct("<8sIIQ")  # magic, version, crc32, json length
 _FORMAT_NAME = "edge-agent-prepared-weights"
 _FORCE_HINT = "Hint: run `edge-agent model prepare --force` to rebuild it from its source."
@@ -69,7 +72,7 @@ class PreparedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ def encode_layout(g: GGUFFile, dtype: str, sha256: str) -> tuple[bytes, list[Pre
         tdtype = _tensor_dtype(info.shape, dtype)
         entries[name] = {"offset": rel, "shape": list(info.shape), "dtype": tdtype,
                          "source_type": info.type_name}
-        rel = _align(rel + info.n_elements * DTYPES[tdtype].itemsize)
+        rel = _align(rel + info.n_elements * DTYPE_BYTES[tdtype])
     header = {
         "format": _FORMAT_NAME, "dtype": dtype, "alignment": ALIGNMENT, "data_bytes": rel,
         "source": {"sha256": sha256, "size": g.size, "name": g.path.name},

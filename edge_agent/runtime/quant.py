@@ -1,4 +1,5 @@
-"""GGML tensor types: names and sizes of all of them, numpy dequantization kernels for some.
+"""numpy dequantization kernels for some GGML tensor types (their names and sizes, and those of
+all the others, are in `runtime/ggml_types.py`, re-exported here).
 
 Invariants: a quantized tensor's row length is a multiple of its block size; every kernel takes
 the raw bytes of whole blocks and returns float32 of exactly `n_elements` values, in GGML order
@@ -8,23 +9,20 @@ the raw bytes of whole blocks and returns float32 of exactly `n_elements` values
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["ALL_TYPES", "GGMLType", "TYPES", "dequantize", "tensor_nbytes", "type_by_id",
-           "type_info", "type_name"]
+from edge_agent.runtime.ggml_types import (
+    ALL_TYPES,
+    GGMLType,
+    tensor_nbytes,
+    type_info,
+    type_name,
+)
 
-
-@dataclass(frozen=True)
-class GGMLType:
-    id: int
-    name: str
-    block_elems: int
-    block_bytes: int
-    # uint8 blocks (n, block_bytes) -> f32 (n, block_elems)
-    kernel: Callable[[np.ndarray], np.ndarray] | None
+__all__ = ["ALL_TYPES", "GGMLType", "KERNELS", "TYPES", "dequantize", "tensor_nbytes",
+           "type_by_id", "type_info", "type_name"]
 
 
 # `own: np.ndarray = x.copy()` below: numpy's stubs type copy() as returning `Self`, which is Any
@@ -97,60 +95,17 @@ def _q5_1(blocks: np.ndarray) -> np.ndarray:
     return q * d + m
 
 
-TYPES: dict[int, GGMLType] = {
-    t.id: t
-    for t in (
-        GGMLType(0, "F32", 1, 4, _f32),
-        GGMLType(1, "F16", 1, 2, _f16),
-        GGMLType(2, "Q4_0", 32, 18, _q4_0),
-        GGMLType(3, "Q4_1", 32, 20, _q4_1),
-        GGMLType(6, "Q5_0", 32, 22, _q5_0),
-        GGMLType(7, "Q5_1", 32, 24, _q5_1),
-        GGMLType(8, "Q8_0", 32, 34, _q8_0),
-        GGMLType(30, "BF16", 1, 2, _bf16),
-    )
+# uint8 blocks (n, block_bytes) -> f32 (n, block_elems), by type id
+KERNELS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    0: _f32, 1: _f16, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 30: _bf16,
 }
-
-# Every type a GGUF may hold (ggml.h's enum ggml_type, ggml's block sizes): sizes only, so a
-# file of any quantization opens, its tensors' bytes are bounds-checked and `model info` counts
-# them; TYPES above is the subset this module can dequantize.
-ALL_TYPES: dict[int, GGMLType] = {
-    **{
-        i: GGMLType(i, name, elems, nbytes, None)
-        for i, name, elems, nbytes in (
-            (9, "Q8_1", 32, 36), (10, "Q2_K", 256, 84), (11, "Q3_K", 256, 110),
-            (12, "Q4_K", 256, 144), (13, "Q5_K", 256, 176), (14, "Q6_K", 256, 210),
-            (15, "Q8_K", 256, 292), (16, "IQ2_XXS", 256, 66), (17, "IQ2_XS", 256, 74),
-            (18, "IQ3_XXS", 256, 98), (19, "IQ1_S", 256, 50), (20, "IQ4_NL", 32, 18),
-            (21, "IQ3_S", 256, 110), (22, "IQ2_S", 256, 82), (23, "IQ4_XS", 256, 136),
-            (24, "I8", 1, 1), (25, "I16", 1, 2), (26, "I32", 1, 4), (27, "I64", 1, 8),
-            (28, "F64", 1, 8), (29, "IQ1_M", 256, 56), (34, "TQ1_0", 256, 54),
-            (35, "TQ2_0", 256, 66), (39, "MXFP4", 32, 17), (40, "NVFP4", 64, 36),
-            (41, "Q1_0", 128, 18), (42, "Q2_0", 64, 18),
-        )
-    },
-    **TYPES,
-}
+# the types this module can dequantize
+TYPES: dict[int, GGMLType] = {i: ALL_TYPES[i] for i in KERNELS}
 
 
 def type_by_id(type_id: int) -> GGMLType | None:
     """The type if this module can dequantize it, else None (see `type_info` for sizes)."""
     return TYPES.get(type_id)
-
-
-def type_info(type_id: int) -> GGMLType | None:
-    """Name and block size of any GGML type (kernel None where not dequantized), None if the
-    id is not a GGML type."""
-    return ALL_TYPES.get(type_id)
-
-
-def type_name(type_id: int) -> str:
-    t = ALL_TYPES.get(type_id)
-    return t.name if t is not None else f"unknown type {type_id}"
-
-
-def tensor_nbytes(ggml_type: GGMLType, n_elements: int) -> int:
-    return n_elements // ggml_type.block_elems * ggml_type.block_bytes
 
 
 def dequantize(
@@ -160,5 +115,4 @@ def dequantize(
     buf = np.frombuffer(raw, dtype=np.uint8)
     n_blocks = n_elements // ggml_type.block_elems
     blocks = buf[: n_blocks * ggml_type.block_bytes].reshape(n_blocks, ggml_type.block_bytes)
-    assert ggml_type.kernel is not None
-    return ggml_type.kernel(blocks).reshape(n_elements)
+    return KERNELS[ggml_type.id](blocks).reshape(n_elements)

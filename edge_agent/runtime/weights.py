@@ -36,7 +36,7 @@ import numpy as np
 from edge_agent.errors import ConfigError, MemoryLockError, ModelFileError
 from edge_agent.runtime import memlock
 from edge_agent.runtime.memlock import MLOCK_POLICIES, MemlockEnv
-from edge_agent.runtime.prepared_format import DTYPES, PreparedInfo
+from edge_agent.runtime.prepared_format import DTYPE_BYTES, DTYPES, PreparedInfo
 
 __all__ = ["LockReport", "PinnedWeights", "MLOCK_POLICIES"]
 
@@ -117,7 +117,7 @@ class PinnedWeights:
         try:
             tensors = {
                 name: np.frombuffer(mm, dtype=DTYPES[t.dtype], count=t.nbytes
-                                    // DTYPES[t.dtype].itemsize, offset=t.offset).reshape(t.shape)
+                                    // DTYPE_BYTES[t.dtype], offset=t.offset).reshape(t.shape)
                 for name, t in info.tensors.items()
             }
         except BaseException:
