@@ -86,6 +86,8 @@ EXTEND_USEC = 30_000_000
 ANSWER_GRACE_S = 5.0  # after the drain: time for connections to deliver their final answers
 CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
 CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
+EARLY_SPAWN_WAIT_S = 2.0  # startup: longest wait for the early runners to be spawned
+
 log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
 _GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_sources",
@@ -420,6 +422,7 @@ class Daemon:
         loop.set_exception_handler(self._loop_exception)
         self._make_state_dir()
         self.memory.start(loop)  # before any runner: into supervisor/, PSI watched
+        await self._load_before_journal()
         if self.journal.open() is not None:
             resumed = self.journal.resume()
             if resumed:
@@ -439,7 +442,8 @@ class Daemon:
         log.info(f"listening on {', '.join(where)}")
         await self.uarts.start()
         for svc in self.services.values():
-            self._start_model_task(svc)
+            if svc.task is None:
+                self._start_model_task(svc)
         preload = [s for s in self.services.values() if s.entry.preload]
         while not all(s.lifecycle.state in (ModelState.IDLE, ModelState.SERVING,
                                             ModelState.FAILED) for s in preload):
@@ -460,6 +464,18 @@ class Daemon:
             log.info(f"try: curl --unix-socket {sock} http://localhost/health ; "
                      f"curl --unix-socket {sock} http://localhost/v1/chat/completions "
                      """-d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'""")
+
+    async def _load_before_journal(self) -> None:
+        """Start the loads that may start before the journal opens (see
+        `ModelService.loads_before_journal`), and wait until their runners are spawned: each
+        runner's start, model load and warm-up (0.5 s and more, in its own process) then
+        overlap the journal's integrity check and recovery instead of following them."""
+        early = [s for s in self.services.values() if s.loads_before_journal()]
+        for svc in early:
+            self._start_model_task(svc)
+        end = time.monotonic() + EARLY_SPAWN_WAIT_S
+        while not all(s.spawned for s in early) and time.monotonic() < end:
+            await asyncio.sleep(0.005)
 
     async def main_loop(self) -> None:
         wd = watchdog_interval(self.env)

@@ -757,6 +757,30 @@ class ModelService:
             self.lifecycle.start_warmup(now)
             self.host.notifier_extend(f"model {self.name}: warming up")
 
+    def loads_before_journal(self) -> bool:
+        """Whether this model's load may start before the journal opens (`Daemon.startup`): a
+        preload model on the llama.cpp engine whose budget is known from its GGUF and fits
+        without evicting anything. Its runner then loads in its own process while the journal
+        is checked and recovered; everything after the spawn waits for the event loop, which
+        the journal's opening holds, so the load ends with the journal open. The numpy
+        engine's load waits for the journal: its tokenizer comes from the journal's cache."""
+        if not self.entry.preload:
+            return False
+        try:
+            self.ensure_budget()
+            return self.engine == "llamacpp" and not self._plan_room()
+        except Exception:  # noqa: BLE001 - the load after the journal reports it
+            return False
+
+    @property
+    def spawned(self) -> bool:
+        """This model's load has spawned its runner, or has failed (or its task ended)
+        without one."""
+        if self.runner is not None and self.runner.spawned.is_set():
+            return True
+        return self.lifecycle.state is ModelState.FAILED or (
+            self.task is not None and self.task.done())
+
     def _plan_room(self) -> list[str]:
         """Idle models to evict (LRU) so this one fits; raises BudgetExceeded when it cannot."""
         assert self.budget_bytes is not None

@@ -67,6 +67,7 @@ class RunnerHandle:
         self.on_event = on_event
         self.on_gone = on_gone
         self.proc: asyncio.subprocess.Process | None = None
+        self.spawned = asyncio.Event()  # set once the spawn is done (the process exists) or failed
         self.gone = asyncio.Event()
         self.ready: Ready | None = None
         self._replies: asyncio.Queue[Message | _Gone] = asyncio.Queue()
@@ -91,10 +92,11 @@ class RunnerHandle:
                 *self.args, "--log-level", _log_level(), pass_fds=(child.fileno(),), env=self.env,
                 stdin=asyncio.subprocess.DEVNULL,
             )
+            if self.on_spawn is not None:
+                self.on_spawn(self.proc.pid)
         finally:
             child.close()
-        if self.on_spawn is not None:
-            self.on_spawn(self.proc.pid)
+            self.spawned.set()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         first = await self._next_reply()
