@@ -10,7 +10,10 @@ and other processes on the machine may map the original):
 - llama-server built from the same llama.cpp source as the pinned llama-cpp-python
   (bench/anchor.py): `-m GGUF -t THREADS -np 16 -c 512*16 --host 127.0.0.1 --port P`, flash
   attention at its default; time to READY is its first GET /health 200.
-Both are timed from the moment the process is started. Then they take turns level by level (one
+Both are timed from the moment the process is started, the daemon from bytecode as it is
+installed (`edge-agent systemd install` and pip byte-compile it; this script does the same, as
+PYTHONDONTWRITEBYTECODE in the environment would otherwise have it compile every module from
+source at each start). Then they take turns level by level (one
 loaded at a time, the other idle), so each pair of measurements is seconds apart on this shared
 machine. Odd runs start with llama-server (starting and measuring) and go through the
 concurrencies in reverse, so a drift in the machine's load favours neither.
@@ -552,6 +555,11 @@ def main() -> int:
         ap.error(f"--runs must be at least 1, got {args.runs}")
     threads = args.threads or default_threads()
     bins = anchor_bins()
+    from edge_agent.commands.systemd import compile_installation
+
+    for where in compile_installation():  # a daemon starts from bytecode, as installed
+        print(f"bench/serve.py: warning: {where} not byte-compiled; its READY includes "
+              "compiling it", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="ea-bench-", dir="/tmp"))
     state_dir = Path(args.state_dir).resolve() if args.state_dir else root / "state"
     state_dir.mkdir(parents=True, exist_ok=True)

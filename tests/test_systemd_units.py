@@ -233,3 +233,32 @@ def test_systemd_analyze_security_score(tmp_path: Path, tcp: bool) -> None:
     line = next(ln for ln in result.stdout.splitlines() if "Overall exposure level" in ln)
     score = float(line.split(":")[1].split()[0])
     assert score <= 2.0, result.stdout[-3000:]
+
+
+def test_install_byte_compiles_the_installation(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The service cannot write the installation (ProtectSystem=strict, its own user): the
+    install leaves current bytecode for every module, or says which directory it could not."""
+    import compileall
+    import importlib.util
+
+    import edge_agent.daemon.app
+    import firmware_tools.image
+
+    cached = [Path(importlib.util.cache_from_source(m.__file__ or ""))
+              for m in (edge_agent.daemon.app, firmware_tools.image)]
+    for path in cached:
+        path.unlink(missing_ok=True)
+    install(tmp_path)
+    assert all(path.is_file() for path in cached)
+    assert "could not byte-compile" not in capsys.readouterr().err
+
+    def read_only(*_args: object, **_kwargs: object) -> bool:
+        return False  # what compileall reports for a directory it may not write
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compileall, "compile_dir", read_only)
+        install(tmp_path)  # still installs: the units are written, exit 0
+    err = capsys.readouterr().err
+    assert f"{Path(edge_agent.__file__).parent}: could not byte-compile" in err
+    assert "Hint:" in err

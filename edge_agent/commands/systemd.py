@@ -3,6 +3,9 @@
 ExecStart= is this interpreter running `-m edge_agent serve`, so a venv install works as well
 as a packaged one. Files: the service and socket in --prefix, the sysusers and tmpfiles snippets
 in --sysusers-dir and --tmpfiles-dir. Writes are atomic (temporary file + rename), mode 0644.
+The installation's own Python modules are byte-compiled in place: the service runs as its own
+user under ProtectSystem=strict, so it could not write them and would compile every module from
+source at each start (0.15 s of a 1 s start on two x86 cores; a Raspberry Pi is slower).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from edge_agent.systemd_units import (
     render_units,
 )
 
-__all__ = ["register", "run", "default_exec_start", "install_targets", "InstallError"]
+__all__ = ["register", "run", "compile_installation", "default_exec_start", "install_targets",
+           "InstallError"]
 
 _HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
@@ -160,6 +164,25 @@ def _write(path: Path, text: str) -> None:
         ) from exc
 
 
+def compile_installation() -> list[Path]:
+    """Byte-compile the edge_agent and firmware_tools packages where they are installed (a
+    module whose bytecode is current is skipped); the directories that could not be."""
+    import compileall
+    import io
+
+    import edge_agent
+    import firmware_tools
+
+    failed = []
+    for package in (edge_agent, firmware_tools):
+        where = Path(package.__file__ or "").parent
+        with contextlib.redirect_stdout(io.StringIO()):  # its per-file errors: summed up below
+            ok = compileall.compile_dir(where, quiet=1)
+        if not ok:
+            failed.append(where)
+    return failed
+
+
 def run(args: argparse.Namespace) -> int:
     files = render_units(_options(args))
     targets = install_targets(args.prefix, args.sysusers_dir, args.tmpfiles_dir)
@@ -170,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
     for name, text in files.items():
         _write(targets[name], text)
         print(f"wrote {targets[name]}", file=sys.stderr)
+    for where in compile_installation():
+        print(f"edge-agent: warning: {where}: could not byte-compile every module; the service "
+              "will compile them from source at each start (slower). Hint: run the install as "
+              "the user who owns that directory, or as root.", file=sys.stderr)
     sysusers, tmpfiles = targets[SYSUSERS_FILE], targets[TMPFILES_FILE]
     print(
         "next:\n"
