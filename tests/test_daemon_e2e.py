@@ -86,6 +86,26 @@ def daemon(prepared_state_dir: Path, engine: str) -> Iterator[Daemon]:
         yield d
 
 
+def test_the_control_plane_leaves_the_computing_to_the_runner(daemon: Daemon,
+                                                                engine: str) -> None:
+    """After a streamed completion and a chat, the llama.cpp engine's control plane has mapped
+    neither numpy nor the `tokenizers` library (10 MiB and more of its memory, for nothing it
+    computes: it tokenizes and decodes through the model's own vocabulary); its runner has
+    numpy (its sampling)."""
+    if engine != "llamacpp":
+        pytest.skip("the numpy engine's control plane tokenizes with numpy and tokenizers")
+    status, _, body = daemon.call("POST", "/v1/completions",
+                                  {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True})
+    assert status == 200 and sse_events(body)[-1] == "[DONE]"
+    status, reply = daemon.json("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert status == 200 and reply["choices"][0]["message"]["content"]
+    runner = daemon.health()["models"]["smollm2"]["runner_pid"]
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "_multiarray_umath" not in maps and "tokenizers.abi3" not in maps
+    assert "_multiarray_umath" in Path(f"/proc/{runner}/maps").read_text()
+
+
 def test_health_models_and_socket_mode(daemon: Daemon, engine: str) -> None:
     assert stat.S_IMODE(daemon.sock.stat().st_mode) == 0o660
     status, h = daemon.json("GET", "/health")

@@ -659,6 +659,6 @@ class Daemon:
 
 
 def _decoder(tok: Any) -> Any:
-    from edge_agent.runtime.tokenizer import IncrementalDecoder
+    from edge_agent.runtime.detokenizer import IncrementalDecoder
 
     return IncrementalDecoder(tok)

@@ -556,7 +556,7 @@ class DaemonJournal:
         return self._record(jreq, tokens, svc)
 
     def _record(self, jreq: Any, tokens: list[int], svc: Any) -> RequestRecord:
-        from edge_agent.runtime.tokenizer import IncrementalDecoder
+        from edge_agent.runtime.detokenizer import IncrementalDecoder
 
         tok = svc.ensure_tokenizer()
         state = JobState(jreq.state) if jreq.state != "running" else JobState.QUEUED

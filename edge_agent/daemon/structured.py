@@ -76,11 +76,13 @@ def _native(tok: Any) -> tuple[bool, bool]:
 def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
     """The grammar the output must follow (None: unconstrained); InvalidRequest naming the
     field ("field 'x': ...") when it cannot be used."""
-    # llguidance and numpy load on the first constrained request, not at every start
-    from edge_agent.runtime.constrain import json_grammar, tool_call_grammar
-
     choice = req.tool_choice
     functions = _offered(req)
+    if not (functions and choice != "auto") and req.response_format is None:
+        return None
+    # llguidance loads on the first constrained request, not at every start or request
+    from edge_agent.runtime.constrain import json_grammar, tool_call_grammar
+
     if functions and choice != "auto":
         if req.response_format is not None:
             raise InvalidRequest("field 'response_format': cannot be combined with "

@@ -24,11 +24,14 @@ import collections
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from edge_agent.errors import EdgeAgentError
+
+# numpy is imported by Constraints (the runner's), not by the grammar builders the control
+# plane calls: it would cost the control plane 10 MiB for a check it never computes with
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["COMPACT_JSON", "ConstraintError", "Constraints", "check_grammar", "json_grammar",
            "tool_call_grammar"]
@@ -121,6 +124,8 @@ class Constraints:
     """The matchers of one engine's constrained sequences, by sequence id."""
 
     def __init__(self, tokenizer: Any, n_vocab: int) -> None:
+        import numpy as np
+
         self._tokenizer = tokenizer
         self.n_vocab = int(n_vocab)  # width of a logits row (may exceed the tokenizer's)
         self._lltok: Any = None
@@ -142,6 +147,8 @@ class Constraints:
             if self._tokenizer is None:
                 raise ConstraintError("constrained decoding: this engine has no tokenizer. "
                                       "Hint: load the engine with Engine.load().")
+            import numpy as np
+
             llg = _llg()
             self._lltok = llg.LLTokenizer(llg.TokenizerWrapper(_Table(self._tokenizer)),
                                           n_vocab=self.n_vocab)
@@ -189,6 +196,7 @@ class Constraints:
         """Set to -inf, in row i of `logits` (B, V), every token seq_ids[i]'s grammar forbids."""
         if not self._matchers:
             return
+        import numpy as np
         from llguidance.numpy import fill_next_token_bitmask
 
         for i, sid in enumerate(seq_ids):

@@ -459,8 +459,8 @@ def stream_text(tokenizer: Any, tokens: Generator[int, None, None], stop: tuple[
     """Text pieces of a token stream, whole UTF-8 characters only, cut before the first of
     `stop` (text held back only as long as it could still start a stop string). `on_token(id)`
     sees every generated token id. Closing the pieces closes `tokens`."""
+    from edge_agent.runtime.detokenizer import IncrementalDecoder
     from edge_agent.runtime.stops import StopText
-    from edge_agent.runtime.tokenizer import IncrementalDecoder
 
     decoder = IncrementalDecoder(tokenizer)
     stops = StopText(stop)
