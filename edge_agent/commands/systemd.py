@@ -5,7 +5,7 @@ as a packaged one. Files: the service and socket in --prefix, the sysusers and t
 in --sysusers-dir and --tmpfiles-dir. Writes are atomic (temporary file + rename), mode 0644.
 The installation's own Python modules are byte-compiled in place: the service runs as its own
 user under ProtectSystem=strict, so it could not write them and would compile every module from
-source at each start (0.15 s of a 1 s start on two x86 cores; a Raspberry Pi is slower).
+source at each start (0.2 s more to READY here, 0.95 s against 0.75 s on two x86 cores).
 """
 
 from __future__ import annotations
