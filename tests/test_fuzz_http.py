@@ -48,7 +48,7 @@ class FakeDaemon:
     def find_request(self, rid: str) -> Any:
         return None  # no request is known
 
-    def submit(self, greq: GenerationRequest) -> Any:
+    async def accept(self, greq: GenerationRequest) -> Any:
         texts = [greq.prompt] if greq.prompt is not None else [
             m.content for m in greq.messages or ()]
         for text in [*texts, *greq.stop, greq.model or "", greq.session or ""]:

@@ -52,7 +52,7 @@ class FakeDaemon:
     def find_request(self, rid: str) -> Any:
         return None  # no request is known
 
-    def submit(self, greq: Any) -> Any:
+    async def accept(self, greq: Any) -> Any:
         texts = [greq.prompt] if greq.prompt is not None else [m.content for m in greq.messages]
         for text in texts:
             try:

@@ -149,8 +149,8 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
         dj = daemon_journal(host)
         dj.open()
         a, b = _Rec("req-a"), _Rec("req-b", session="s1")
-        dj.accept(a)  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
-        dj.accept(b)  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
+        dj.accept([a])  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
+        dj.accept([b])  # type: ignore[arg-type]  # _Rec: a stand-in RequestRecord
         await _step(dj, a, 10, 11, 12, start=True)
         assert dj.writable and dj.fault is None
         filler = fill(small_fs)
@@ -168,7 +168,7 @@ def test_disk_full_pauses_the_step_and_writes_it_when_space_returns(
         retry = dict(err.headers)["retry-after"]
         assert int(retry) >= 1
         with pytest.raises(JournalError):  # a request cannot be accepted un-journaled
-            dj.accept(_Rec("req-c"))
+            dj.accept([_Rec("req-c")])
         # a turn that ends while the journal is full (outside a step): its session history is
         # saved after its end is durable, not before
         b.outcome = Outcome.cancel("cancelled by the client")
@@ -301,6 +301,115 @@ def test_daemon_refuses_with_507_and_says_degraded_until_space_returns(
         assert await asyncio.wait_for(serving, 30.0) == 0
 
     asyncio.run(scenario())
+
+
+
+# -- the routes' accepts: one transaction per burst, ids out only after it ------------------------
+
+
+def _gen(prompt: str = "Hello", **extra: Any) -> Any:
+    body = {"messages": [{"role": "user", "content": prompt}]} if "session" in extra else {
+        "prompt": prompt}
+    return parse_generation({**body, "max_tokens": 4, **extra}, chat="session" in extra,
+                            max_tokens_limit=64)
+
+
+def _writes(d: Any) -> list[str]:
+    """The write transactions the daemon's journal connection begins from now on."""
+    begun: list[str] = []
+    d.journal.store.journal.conn.set_trace_callback(
+        lambda sql: begun.append(sql) if sql.startswith("BEGIN") else None)
+    return begun
+
+
+def test_a_burst_of_requests_is_journaled_in_one_transaction_before_any_id_goes_out(
+        root: Path) -> None:
+    path = root / "journal.sqlite3"
+    d = _daemon(root, path)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(d.serve())
+        await _until(lambda: d.ready, 30.0, "READY")
+        begun = _writes(d)
+        seen: dict[str, int] = {}
+
+        async def client(i: int) -> Any:
+            rec = await d.accept(_gen(f"Hello {i}"))
+            # the id goes out now: another connection must already see the row
+            seen[rec.id] = len(_rows(path, f"SELECT id FROM requests WHERE id = '{rec.id}'"))
+            return rec
+
+        recs = await asyncio.gather(*(client(i) for i in range(8)))
+        assert len(begun) == 1, begun  # eight requests, one fsync
+        assert seen == {r.id: 1 for r in recs}
+        for rec in recs:
+            await asyncio.wait_for(rec.done.wait(), 60.0)
+            assert rec.outcome is not None and rec.outcome.state == "done", rec.outcome
+        one = await d.accept(_gen("alone"))  # a lone request is not held back for company
+        await asyncio.wait_for(one.done.wait(), 60.0)
+        d.request_exit()
+        assert await asyncio.wait_for(serving, 30.0) == 0
+
+    asyncio.run(scenario())
+    assert len(_rows(path, "SELECT id FROM requests WHERE state = 'done'")) == 9
+
+
+def test_a_group_the_storage_refuses_is_refused_whole_and_nothing_of_it_is_queued(
+        small_fs: Path, root: Path) -> None:
+    d = _daemon(root, small_fs / "journal.sqlite3")
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(d.serve())
+        await _until(lambda: d.ready, 30.0, "READY")
+        filler = fill(small_fs)
+        got = await asyncio.gather(d.accept(_gen("a")), d.accept(_gen("b")),
+                                   d.accept(_gen("c", session="s1")), return_exceptions=True)
+        assert all(isinstance(e, JournalNotWritable) for e in got), got
+        assert all(api_error(e).status == 507 for e in got)  # type: ignore[arg-type]
+        assert not d.records and d.scheduler.depth == 0
+        assert not d.sessions.busy  # the session's claim is given back
+        assert not d._accepting
+        filler.unlink()
+        await _until(lambda: d.journal.writable, 15.0, "the journal to be writable again")
+        rec = await d.accept(_gen("c", session="s1"))  # the same session is free again
+        await asyncio.wait_for(rec.done.wait(), 60.0)
+        d.request_exit()
+        assert await asyncio.wait_for(serving, 30.0) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_before_the_commit_is_not_journaled_and_after_it_is_cancelled(
+        root: Path) -> None:
+    path = root / "journal.sqlite3"
+    d = _daemon(root, path)
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(d.serve())
+        await _until(lambda: d.ready, 30.0, "READY")
+        early = asyncio.ensure_future(d.accept(_gen("gone early", session="s2")))
+        await asyncio.sleep(0)  # its handler ran: prepared, the commit is due next turn
+        assert len(d._accepting) == 1
+        early.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        assert not d._accepting and not d.records and not d.sessions.busy
+        late = asyncio.ensure_future(d.accept(_gen("gone late")))
+        await asyncio.sleep(0)  # prepared
+        await asyncio.sleep(0)  # committed: the waiter is answered, the handler not yet back
+        assert len(d.records) == 1 and not late.done()
+        late.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        (rec,) = d.records.values()
+        await asyncio.wait_for(rec.done.wait(), 10.0)
+        assert rec.outcome is not None and rec.outcome.state == "cancelled", rec.outcome
+        assert rec.outcome.cancelled == "client disconnected"
+        d.request_exit()
+        assert await asyncio.wait_for(serving, 30.0) == 0
+
+    asyncio.run(scenario())
+    assert _rows(path, "SELECT state FROM requests") == [("cancelled",)]
 
 
 # -- schema damage: quarantined like corruption ----------------------------------------------------

@@ -104,7 +104,7 @@ class FakeHost:
     def services(self) -> Mapping[str, FakeModel]:
         return self.models
 
-    def submit(self, req: GenerationRequest) -> RequestRecord:
+    async def accept(self, req: GenerationRequest) -> RequestRecord:
         self.submitted.append(req)
         if self.refusal is not None:
             raise self.refusal

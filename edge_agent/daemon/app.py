@@ -94,6 +94,26 @@ _GUARD_MODULES = ("edge_agent.daemon.memory_guard", "edge_agent.daemon.pressure_
                   "edge_agent.cgroup")
 
 
+class _Accepting:
+    """A request checked and waiting for its group's journal commit (Daemon.accept)."""
+
+    __slots__ = ("svc", "rec", "now", "waiter", "error")
+
+    def __init__(self, svc: ModelService, rec: RequestRecord, now: float) -> None:
+        self.svc, self.rec, self.now = svc, rec, now
+        self.waiter: asyncio.Future[None] | None = None  # accept's; None for submit
+        self.error: EdgeAgentError | None = None
+
+    def settle(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, error: EdgeAgentError) -> None:
+        self.error = error
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
+
+
 class Daemon:
     def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ,
                  cgroup_io: Callable[[], CgroupIO] = CgroupIO) -> None:
@@ -143,6 +163,8 @@ class Daemon:
             port_users=self.uarts)
         self._exit = asyncio.Event()
         self._tick = asyncio.Event()
+        self._accepting: list[_Accepting] = []  # prepared, waiting for their group's commit
+        self._commit_soon: asyncio.Handle | None = None
         self._settled = asyncio.Event()
         self._last_extend = 0.0
         self.state_lock = StateDirLock(self.state_dir)
@@ -273,6 +295,37 @@ class Daemon:
         return reasons
 
     def submit(self, req: GenerationRequest) -> RequestRecord:
+        """Accept `req`: journaled before this returns (in one transaction with any requests
+        still waiting for their group's commit, see `accept`), or refused with the reason."""
+        entry = self._prepare(req)
+        self._commit_accepts()
+        if entry.error is not None:
+            raise entry.error
+        return entry.rec
+
+    async def accept(self, req: GenerationRequest) -> RequestRecord:
+        """`submit` for the HTTP routes, journaled as a group: the requests whose handlers
+        run in the same turn of the event loop are journaled in ONE transaction at the next
+        turn (one fsync: a burst of 16 clients waited for 16 fsyncs, one after another, before
+        the last was even queued), then queued; the id goes out only after the commit. A
+        client that leaves before the commit is not journaled; one that leaves after it is
+        cancelled as a client that hangs up mid-request is."""
+        loop = asyncio.get_running_loop()
+        entry = self._prepare(req)
+        entry.waiter = loop.create_future()
+        if self._commit_soon is None:
+            self._commit_soon = loop.call_soon(self._commit_accepts)
+        try:
+            await entry.waiter
+        except asyncio.CancelledError:
+            if entry.rec.id in self.records:
+                self.cancel(entry.rec.id, why="client disconnected")
+            raise
+        return entry.rec
+
+    def _prepare(self, req: GenerationRequest) -> _Accepting:
+        """Everything that may refuse `req` but its journaling: the request, its job and its
+        record, waiting in `_accepting` for the group's commit (its session claimed)."""
         if self.stopping:
             raise ShuttingDown.new_request()
         self.journal.check_admission()  # 507 + Retry-After while the journal cannot be written
@@ -331,7 +384,7 @@ class Daemon:
             deadline_at=None if req.timeout_ms is None else now + req.timeout_ms / 1000.0,
         )
         try:
-            self.scheduler.submit(job, now)
+            self.scheduler.check(job, pending=len(self._accepting))
         except QueueFull as exc:
             self.metrics.requests[(name, "rejected")] += 1
             raise RequestQueueFull(str(exc), retry_after_s=int(exc.retry_after_s + 0.999)
@@ -339,20 +392,59 @@ class Daemon:
         rec = RequestRecord(job=job, request=req, model=name, decoder=_decoder(tok),
                             prompt_tokens=len(prompt_ids), stop_ids=svc.stop_ids,
                             context=svc.context)
-        try:
-            self.journal.accept(rec)  # durable before the id is returned
-        except EdgeAgentError as exc:
-            self.scheduler.cancel(job.id, time.monotonic())
-            if not self.journal.writable:  # the storage refused: 507, as for the next ones
-                raise self.journal.unavailable() from exc
-            raise JournalFailed(f"the request could not be journaled: {exc}",
-                                retry_after_s=5) from exc
-        self.requests.add(rec)
         if req.session is not None:
             self.sessions.claim(req.session, job.id)
-        svc.poke()
+        entry = _Accepting(svc, rec, now)
+        self._accepting.append(entry)
+        return entry
+
+    def _commit_accepts(self) -> None:
+        """Journal every request waiting in `_accepting` in one transaction, then queue them
+        and answer their waiters; on a refusal, each gets it and none is queued. Nothing
+        else queues a job between their `_prepare` and this (queue room was checked with
+        them counted), so `scheduler.submit` cannot refuse one here."""
+        if self._commit_soon is not None:
+            self._commit_soon.cancel()
+            self._commit_soon = None
+        waiting, self._accepting = self._accepting, []
+        group = []
+        for entry in waiting:
+            if entry.waiter is not None and entry.waiter.cancelled():  # the client left
+                self._release(entry)
+            else:
+                group.append(entry)
+        if not group:
+            return
+        try:
+            if self.stopping:
+                raise ShuttingDown.new_request()
+            self.journal.accept([e.rec for e in group])
+        except EdgeAgentError as exc:
+            for entry in group:
+                self._release(entry)
+                entry.fail(self._refusal(exc))
+            return
+        for entry in group:
+            self.scheduler.submit(entry.rec.job, entry.now)
+            self.requests.add(entry.rec)
+            entry.svc.poke()
+            entry.settle()
         self._tick.set()
-        return rec
+
+    def _refusal(self, exc: EdgeAgentError) -> EdgeAgentError:
+        """What each request of a group the journal (or a shutdown) refused is answered."""
+        if isinstance(exc, ShuttingDown):
+            err: EdgeAgentError = ShuttingDown.new_request()
+        elif not self.journal.writable:  # the storage refused: 507, as for the next ones
+            err = self.journal.unavailable()
+        else:
+            err = JournalFailed(f"the request could not be journaled: {exc}", retry_after_s=5)
+        err.__cause__ = exc
+        return err
+
+    def _release(self, entry: _Accepting) -> None:
+        if entry.rec.request.session is not None:
+            self.sessions.release(entry.rec.request.session, entry.rec.id)
 
     def _tokenizer(self, svc: ModelService) -> Any:
         """The model's tokenizer; a model file that cannot give one (a bad GGUF) marks the

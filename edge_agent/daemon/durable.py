@@ -2,8 +2,10 @@
 
 Invariants owned here:
 - The control plane (this process, its event loop thread) is the only writer.
-- `accept()` journals a request before its id is returned to the client (a write failure
-  refuses the request with 503, it is never accepted un-journaled).
+- `accept()` journals new requests before their ids are returned to the clients, in one
+  transaction for a group (Daemon.accept: those the routes took in one turn of the event
+  loop, so a burst costs one fsync); a write failure refuses every request of the group
+  with 503/507, none is ever accepted un-journaled.
 - One decode step of a model is ONE journal transaction: the new token of every sequence of
   the batch, the sequences that started in it, and every request that finished while the step
   was open (`begin_step` .. `commit_step`). With ack "durable" the step is committed before the
@@ -54,7 +56,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -146,6 +148,8 @@ class DaemonJournal:
         self._after: list[RequestRecord] = []  # finished in the open step: sessions to save
         self.steps = 0
         self.write_s = 0.0  # time spent in step/finish transactions (fsync included)
+        self.accept_commits = 0  # transactions that journaled new requests
+        self.accepted = 0  # requests they journaled
         # seconds: open, check, warm (preload tokenizers, beside the check), checked_while (the
         # two side by side), recover, reconcile, total
         self.start_s: dict[str, float] = {}
@@ -416,30 +420,35 @@ class DaemonJournal:
             f"Hint: free space on the file system of {self.path.parent} before restarting.")
 
     # -- writes -----------------------------------------------------------------------------
-    def accept(self, rec: RequestRecord) -> None:
-        """Journal a new request (before its id goes out); JournalUnavailableError when the
-        storage refuses (the journal is faulted then)."""
-        if self.store is None:
+    def accept(self, recs: Sequence[RequestRecord]) -> None:
+        """Journal new requests in one transaction (before their ids go out);
+        JournalUnavailableError when the storage refuses (the journal is faulted then), and
+        then none of them is journaled."""
+        if self.store is None or not recs:
             return
         if self.fault is not None:
             raise JournalUnavailableError(self.unavailable().message)
-        job = rec.job
-        deadline = None
-        if job.deadline_at is not None:
-            deadline = time.time() + (job.deadline_at - time.monotonic())
-        # the scheduler keeps params opaque; the daemon's jobs carry sampling_dict()'s dict
-        params = cast(dict[str, Any], job.params)
+        rows = []
+        for rec in recs:
+            job = rec.job
+            deadline = None
+            if job.deadline_at is not None:
+                deadline = time.time() + (job.deadline_at - time.monotonic())
+            # the scheduler keeps params opaque; the daemon's jobs carry sampling_dict()'s dict
+            params = cast(dict[str, Any], job.params)
+            rows.append(dict(id=job.id, model=rec.model, input=_request_input(rec.request),
+                             prompt_ids=list(job.prompt_ids), params=dict(params),
+                             priority=job.priority, deadline=deadline,
+                             session=rec.request.session))
         try:
-            self.store.add_request(id=job.id, model=rec.model,
-                                   input=_request_input(rec.request),
-                                   prompt_ids=list(job.prompt_ids), params=dict(params),
-                                   priority=job.priority, deadline=deadline,
-                                   session=rec.request.session)
+            self.store.add_requests(rows)
         except JournalConflictError:
             raise
         except (JournalError, sqlite3.Error) as exc:
             self._failed(exc)
             raise JournalUnavailableError(self.unavailable().message) from exc
+        self.accept_commits += 1
+        self.accepted += len(rows)
 
     def begin_step(self) -> None:
         self._step_depth += 1

@@ -254,7 +254,7 @@ class OllamaRoutes:
             return await self._load_or_unload(svc, oreq)
         t0 = time.monotonic()
         try:  # the schema in `format` is compiled at submission
-            rec = self.host.submit(dataclasses.replace(oreq.generation, model=svc.name))
+            rec = await self.host.accept(dataclasses.replace(oreq.generation, model=svc.name))
         except (ApiError, ServiceError) as exc:  # named as Ollama's field (format)
             raise renamed(exc if isinstance(exc, ApiError) else api_error(exc)) from None
         self._keep_alive(svc, oreq.keep_alive)  # queued already: it applies once idle again

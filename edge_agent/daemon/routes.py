@@ -186,7 +186,7 @@ class Router:
         return await self._generate(self._parse(req, True))
 
     async def _generate(self, greq: Any) -> Reply:
-        rec = self.host.submit(greq)
+        rec = await self.host.accept(greq)
         if greq.stream:
             return StreamResponse(self._openai_stream(rec))
         try:
@@ -302,7 +302,7 @@ class Router:
                            "/v1/chat/completions and /v1/completions only, not by "
                            "/v1/requests. Hint: send the request to one of those, or remove "
                            f"{field!r}.")
-        rec = self.host.submit(greq)
+        rec = await self.host.accept(greq)
         return _json(202, rec.to_dict(time.monotonic()),
                      headers=(("location", f"/v1/requests/{rec.id}"),))
 

@@ -126,25 +126,42 @@ class JournalStore(Retention):
                     session: str | None = None, state: str = "queued",
                     now: float | None = None) -> JournaledRequest:
         """Record an accepted request; durable when this returns (hand out its id after)."""
-        if state not in ("queued", "running"):
-            raise JournalError(f"request {id}: cannot be added in state {state!r}. "
-                               "Hint: add it as queued or running.")
+        return self.add_requests([dict(
+            id=id, model=model, input=input, prompt_ids=prompt_ids, params=params,
+            priority=priority, deadline=deadline, session=session, state=state)], now=now)[0]
+
+    def add_requests(self, requests: Sequence[Mapping[str, Any]], *,
+                     now: float | None = None) -> list[JournaledRequest]:
+        """Record accepted requests (each `add_request`'s keywords) in ONE transaction, so a
+        burst costs one fsync; durable when this returns, and none is when it raises."""
         now = self._clock() if now is None else now
-        row = (id, session, model, json.dumps(input, ensure_ascii=False),
-               pack_ids(list(prompt_ids)), json.dumps(dict(params), sort_keys=True),
-               int(priority), deadline, state, now, now if state == "running" else None, None,
-               1 if state == "running" else 0, None, None)
+        rows = []
+        for r in requests:
+            state = r.get("state", "queued")
+            if state not in ("queued", "running"):
+                raise JournalError(f"request {r['id']}: cannot be added in state {state!r}. "
+                                   "Hint: add it as queued or running.")
+            rows.append((r["id"], r.get("session"), r["model"],
+                         json.dumps(r["input"], ensure_ascii=False),
+                         pack_ids(list(r["prompt_ids"])),
+                         json.dumps(dict(r["params"]), sort_keys=True),
+                         int(r.get("priority", 5)), r.get("deadline"), state, now,
+                         now if state == "running" else None, None,
+                         1 if state == "running" else 0, None, None))
+        if not rows:
+            return []
         try:
             with self.journal.transaction() as conn:
-                conn.execute(f"INSERT INTO requests ({_REQ_COLS}) VALUES "
-                             f"({', '.join('?' * len(row))})", row)
+                conn.executemany(f"INSERT INTO requests ({_REQ_COLS}) VALUES "
+                                 f"({', '.join('?' * len(rows[0]))})", rows)
         except Exception as exc:
             if "UNIQUE" in str(exc):
+                ids = ", ".join(str(r[0]) for r in rows)
                 raise JournalConflictError(
-                    f"request {id}: already journaled. Hint: use a new request id."
+                    f"request {ids}: already journaled. Hint: use a new request id."
                 ) from exc
             raise
-        return _request(row)
+        return [_request(row) for row in rows]
 
     def get_request(self, request_id: str) -> JournaledRequest | None:
         row = self.conn.execute(f"SELECT {_REQ_COLS} FROM requests WHERE id = ?",

@@ -68,6 +68,23 @@ class Scheduler:
 
     def submit(self, job: Job, now: float) -> Job:
         """Accept `job` as QUEUED, or raise QueueFull (503 + Retry-After) / JobError (400)."""
+        self.check(job)
+        if job.submitted_at is None:
+            job.submitted_at = now
+        timeout_ms = self.config.default_timeout_ms
+        if timeout_ms is not None:
+            cap = job.submitted_at + timeout_ms / 1000.0
+            job.deadline_at = cap if job.deadline_at is None else min(job.deadline_at, cap)
+        job.queued_at = now
+        job.seq = self._seq
+        self._seq += 1
+        self._live[job.id] = job
+        self._queued.setdefault(job.model, {})[job.id] = job
+        return job
+
+    def check(self, job: Job, pending: int = 0) -> None:
+        """What `submit(job)` would raise, without queueing it; `pending`: jobs checked
+        already and not yet submitted (they take queue room too)."""
         if job.id in self._live or job.id in self._finished:
             raise JobError(
                 f"submit job {job.id!r}: a job with this id is already known "
@@ -90,7 +107,7 @@ class Scheduler:
             raise JobError(
                 f"submit job {job.id!r}: no model named. Hint: set the request's model."
             )
-        depth = len(self._live)
+        depth = len(self._live) + pending
         if depth >= self.config.queue_max:
             retry = self._retry_after_s()
             raise QueueFull(
@@ -101,18 +118,6 @@ class Scheduler:
                 limit=self.config.queue_max,
                 retry_after_s=retry,
             )
-        if job.submitted_at is None:
-            job.submitted_at = now
-        timeout_ms = self.config.default_timeout_ms
-        if timeout_ms is not None:
-            cap = job.submitted_at + timeout_ms / 1000.0
-            job.deadline_at = cap if job.deadline_at is None else min(job.deadline_at, cap)
-        job.queued_at = now
-        job.seq = self._seq
-        self._seq += 1
-        self._live[job.id] = job
-        self._queued.setdefault(job.model, {})[job.id] = job
-        return job
 
     # -- starting work --------------------------------------------------------------------
 
