@@ -339,9 +339,14 @@ def test_a_burst_of_requests_is_journaled_in_one_transaction_before_any_id_goes_
             seen[rec.id] = len(_rows(path, f"SELECT id FROM requests WHERE id = '{rec.id}'"))
             return rec
 
+        t0 = time.time()
         recs = await asyncio.gather(*(client(i) for i in range(8)))
         assert len(begun) == 1, begun  # eight requests, one fsync
         assert seen == {r.id: 1 for r in recs}
+        # journaled with the deadline the queue gave them (scheduler.default_timeout_ms)
+        cap = d.config.scheduler.default_timeout_ms / 1000.0
+        for (deadline,) in _rows(path, "SELECT deadline FROM requests"):
+            assert deadline is not None and t0 + cap - 5 < deadline < time.time() + cap + 5
         for rec in recs:
             await asyncio.wait_for(rec.done.wait(), 60.0)
             assert rec.outcome is not None and rec.outcome.state == "done", rec.outcome

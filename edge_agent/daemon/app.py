@@ -399,10 +399,11 @@ class Daemon:
         return entry
 
     def _commit_accepts(self) -> None:
-        """Journal every request waiting in `_accepting` in one transaction, then queue them
-        and answer their waiters; on a refusal, each gets it and none is queued. Nothing
-        else queues a job between their `_prepare` and this (queue room was checked with
-        them counted), so `scheduler.submit` cannot refuse one here."""
+        """Queue every request waiting in `_accepting`, journal them in one transaction and
+        answer their waiters; on a refusal, each gets it and is taken off the queue (no await
+        in between: no model loop saw them). Nothing else queues a job between their
+        `_prepare` and this (queue room was checked with them counted), so
+        `scheduler.submit` cannot refuse one here."""
         if self._commit_soon is not None:
             self._commit_soon.cancel()
             self._commit_soon = None
@@ -415,17 +416,19 @@ class Daemon:
                 group.append(entry)
         if not group:
             return
+        for entry in group:  # queued first: the journal keeps the deadline the queue caps
+            self.scheduler.submit(entry.rec.job, entry.now)
         try:
             if self.stopping:
                 raise ShuttingDown.new_request()
             self.journal.accept([e.rec for e in group])
         except EdgeAgentError as exc:
             for entry in group:
+                self.scheduler.cancel(entry.rec.job.id, time.monotonic())
                 self._release(entry)
                 entry.fail(self._refusal(exc))
             return
         for entry in group:
-            self.scheduler.submit(entry.rec.job, entry.now)
             self.requests.add(entry.rec)
             entry.svc.poke()
             entry.settle()
