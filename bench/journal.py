@@ -4,6 +4,9 @@ Store-level figures, from one run, on real files in a temporary directory (pass 
 them on the storage you care about, e.g. the board's SD card or eMMC):
 - decode steps/s when every step of a batch is journaled (one transaction per step) with
   synchronous FULL, NORMAL and OFF, against the same loop with no journal at all;
+- accepting a burst of --burst requests (synchronous FULL): one transaction per request (the
+  UART console's path) against one for the whole burst (the HTTP routes' group commit), in
+  --bursts interleaved rounds, as median, p95 and worst milliseconds per burst;
 - each step of the daemon's start path (open, quick_check, recovery, pending session turns)
   on a journal holding 10 000 sessions and 1 000 finished requests vs an empty one, and the
   retention pass that runs after READY.
@@ -72,6 +75,36 @@ def _steps_figure(base: Path, args: argparse.Namespace) -> None:
     for sync in ("FULL", "NORMAL", "OFF"):
         rate = _steps_per_s(base / f"steps-{sync}.sqlite3", sync, args.batch, args.steps)
         print(f"  synchronous={sync:<6} {rate:10.0f}   {1000 / rate:6.2f} ms/step")
+
+
+def _burst_figure(base: Path, args: argparse.Namespace) -> None:
+    store = JournalStore(open_journal(base / "burst.sqlite3", synchronous="FULL"))
+    each: list[float] = []
+    group: list[float] = []
+    for n in range(args.bursts):
+        rows = [dict(id=f"b{n}-{k}", model="m", input={"prompt": "x"}, prompt_ids=[1] * 32,
+                     params={"seed": k}) for k in range(args.burst)]
+        order = ("each", "group") if n % 2 == 0 else ("group", "each")
+        for way in order:
+            t0 = time.perf_counter()
+            if way == "each":
+                for row in rows:
+                    store.add_request(**{**row, "id": f"{row['id']}-e"})
+                each.append(time.perf_counter() - t0)
+            else:
+                store.add_requests(rows)
+                group.append(time.perf_counter() - t0)
+    store.close()
+
+    def ms(xs: list[float]) -> str:
+        xs = sorted(xs)
+        return (f"{statistics.median(xs) * 1000:6.2f} / {xs[int(0.95 * (len(xs) - 1))] * 1000:6.2f}"
+                f" / {xs[-1] * 1000:6.2f}")
+
+    print(f"accepting a burst of {args.burst} requests, {args.bursts} rounds, synchronous=FULL "
+          "(median / p95 / worst ms):")
+    print(f"  one transaction per request  {ms(each)}")
+    print(f"  one transaction per burst    {ms(group)}")
 
 
 def _populate(path: Path, sessions: int, finished: int, model: str = "m") -> None:
@@ -294,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="where to put the journal files (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--burst", type=int, default=16, help="requests in a burst")
+    parser.add_argument("--bursts", type=int, default=80, help="rounds of the burst figure")
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--finished", type=int, default=1_000)
     parser.add_argument("--tokens", type=int, default=48, help="tokens per daemon request")
@@ -306,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-only", action="store_true",
                         help="only the start figures: journal start steps and time to READY")
     args = parser.parse_args(argv)
-    for name in ("rounds", "ready_rounds"):
+    for name in ("rounds", "ready_rounds", "burst", "bursts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="journal-bench-") as tmp:
@@ -315,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         if not args.ready_only:
             _steps_figure(base, args)
+            _burst_figure(base, args)
         empty, full = base / "empty.sqlite3", base / "full.sqlite3"
         open_journal(empty).close()
         t0 = time.perf_counter()
