@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -314,6 +314,16 @@ def _gen(prompt: str = "Hello", **extra: Any) -> Any:
                             max_tokens_limit=64)
 
 
+@contextlib.asynccontextmanager
+async def _serving(d: Any) -> AsyncIterator[None]:
+    """`d` serving (READY) for the block; asked to exit after it, and exits 0."""
+    serving = asyncio.ensure_future(d.serve())
+    await _until(lambda: d.ready, 30.0, "READY")
+    yield
+    d.request_exit()
+    assert await asyncio.wait_for(serving, 30.0) == 0
+
+
 def _writes(d: Any) -> list[str]:
     """The write transactions the daemon's journal connection begins from now on."""
     begun: list[str] = []
@@ -328,32 +338,29 @@ def test_a_burst_of_requests_is_journaled_in_one_transaction_before_any_id_goes_
     d = _daemon(root, path)
 
     async def scenario() -> None:
-        serving = asyncio.ensure_future(d.serve())
-        await _until(lambda: d.ready, 30.0, "READY")
-        begun = _writes(d)
-        seen: dict[str, int] = {}
+        async with _serving(d):
+            begun = _writes(d)
+            seen: dict[str, int] = {}
 
-        async def client(i: int) -> Any:
-            rec = await d.accept(_gen(f"Hello {i}"))
-            # the id goes out now: another connection must already see the row
-            seen[rec.id] = len(_rows(path, f"SELECT id FROM requests WHERE id = '{rec.id}'"))
-            return rec
+            async def client(i: int) -> Any:
+                rec = await d.accept(_gen(f"Hello {i}"))
+                # the id goes out now: another connection must already see the row
+                seen[rec.id] = len(_rows(path, f"SELECT id FROM requests WHERE id = '{rec.id}'"))
+                return rec
 
-        t0 = time.time()
-        recs = await asyncio.gather(*(client(i) for i in range(8)))
-        assert len(begun) == 1, begun  # eight requests, one fsync
-        assert seen == {r.id: 1 for r in recs}
-        # journaled with the deadline the queue gave them (scheduler.default_timeout_ms)
-        cap = d.config.scheduler.default_timeout_ms / 1000.0
-        for (deadline,) in _rows(path, "SELECT deadline FROM requests"):
-            assert deadline is not None and t0 + cap - 5 < deadline < time.time() + cap + 5
-        for rec in recs:
-            await asyncio.wait_for(rec.done.wait(), 60.0)
-            assert rec.outcome is not None and rec.outcome.state == "done", rec.outcome
-        one = await d.accept(_gen("alone"))  # a lone request is not held back for company
-        await asyncio.wait_for(one.done.wait(), 60.0)
-        d.request_exit()
-        assert await asyncio.wait_for(serving, 30.0) == 0
+            t0 = time.time()
+            recs = await asyncio.gather(*(client(i) for i in range(8)))
+            assert len(begun) == 1, begun  # eight requests, one fsync
+            assert seen == {r.id: 1 for r in recs}
+            # journaled with the deadline the queue gave them (scheduler.default_timeout_ms)
+            cap = d.config.scheduler.default_timeout_ms / 1000.0
+            for (deadline,) in _rows(path, "SELECT deadline FROM requests"):
+                assert deadline is not None and t0 + cap - 5 < deadline < time.time() + cap + 5
+            for rec in recs:
+                await asyncio.wait_for(rec.done.wait(), 60.0)
+                assert rec.outcome is not None and rec.outcome.state == "done", rec.outcome
+            one = await d.accept(_gen("alone"))  # a lone request is not held back for company
+            await asyncio.wait_for(one.done.wait(), 60.0)
 
     asyncio.run(scenario())
     assert len(_rows(path, "SELECT id FROM requests WHERE state = 'done'")) == 9
@@ -364,22 +371,19 @@ def test_a_group_the_storage_refuses_is_refused_whole_and_nothing_of_it_is_queue
     d = _daemon(root, small_fs / "journal.sqlite3")
 
     async def scenario() -> None:
-        serving = asyncio.ensure_future(d.serve())
-        await _until(lambda: d.ready, 30.0, "READY")
-        filler = fill(small_fs)
-        got = await asyncio.gather(d.accept(_gen("a")), d.accept(_gen("b")),
-                                   d.accept(_gen("c", session="s1")), return_exceptions=True)
-        assert all(isinstance(e, JournalNotWritable) for e in got), got
-        assert all(api_error(e).status == 507 for e in got)  # type: ignore[arg-type]
-        assert not d.records and d.scheduler.depth == 0
-        assert not d.sessions.busy  # the session's claim is given back
-        assert not d._accepting
-        filler.unlink()
-        await _until(lambda: d.journal.writable, 15.0, "the journal to be writable again")
-        rec = await d.accept(_gen("c", session="s1"))  # the same session is free again
-        await asyncio.wait_for(rec.done.wait(), 60.0)
-        d.request_exit()
-        assert await asyncio.wait_for(serving, 30.0) == 0
+        async with _serving(d):
+            filler = fill(small_fs)
+            got = await asyncio.gather(d.accept(_gen("a")), d.accept(_gen("b")),
+                                       d.accept(_gen("c", session="s1")), return_exceptions=True)
+            assert all(isinstance(e, JournalNotWritable) for e in got), got
+            assert all(api_error(e).status == 507 for e in got)  # type: ignore[arg-type]
+            assert not d.records and d.scheduler.depth == 0
+            assert not d.sessions.busy  # the session's claim is given back
+            assert not d._accepting
+            filler.unlink()
+            await _until(lambda: d.journal.writable, 15.0, "the journal to be writable again")
+            rec = await d.accept(_gen("c", session="s1"))  # the same session is free again
+            await asyncio.wait_for(rec.done.wait(), 60.0)
 
     asyncio.run(scenario())
 
@@ -390,28 +394,25 @@ def test_a_client_that_leaves_before_the_commit_is_not_journaled_and_after_it_is
     d = _daemon(root, path)
 
     async def scenario() -> None:
-        serving = asyncio.ensure_future(d.serve())
-        await _until(lambda: d.ready, 30.0, "READY")
-        early = asyncio.ensure_future(d.accept(_gen("gone early", session="s2")))
-        await asyncio.sleep(0)  # its handler ran: prepared, the commit is due next turn
-        assert len(d._accepting) == 1
-        early.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await early
-        assert not d._accepting and not d.records and not d.sessions.busy
-        late = asyncio.ensure_future(d.accept(_gen("gone late")))
-        await asyncio.sleep(0)  # prepared
-        await asyncio.sleep(0)  # committed: the waiter is answered, the handler not yet back
-        assert len(d.records) == 1 and not late.done()
-        late.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await late
-        (rec,) = d.records.values()
-        await asyncio.wait_for(rec.done.wait(), 10.0)
-        assert rec.outcome is not None and rec.outcome.state == "cancelled", rec.outcome
-        assert rec.outcome.cancelled == "client disconnected"
-        d.request_exit()
-        assert await asyncio.wait_for(serving, 30.0) == 0
+        async with _serving(d):
+            early = asyncio.ensure_future(d.accept(_gen("gone early", session="s2")))
+            await asyncio.sleep(0)  # its handler ran: prepared, the commit is due next turn
+            assert len(d._accepting) == 1
+            early.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await early
+            assert not d._accepting and not d.records and not d.sessions.busy
+            late = asyncio.ensure_future(d.accept(_gen("gone late")))
+            await asyncio.sleep(0)  # prepared
+            await asyncio.sleep(0)  # committed: the waiter is answered, the handler not yet back
+            assert len(d.records) == 1 and not late.done()
+            late.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await late
+            (rec,) = d.records.values()
+            await asyncio.wait_for(rec.done.wait(), 10.0)
+            assert rec.outcome is not None and rec.outcome.state == "cancelled", rec.outcome
+            assert rec.outcome.cancelled == "client disconnected"
 
     asyncio.run(scenario())
     assert _rows(path, "SELECT state FROM requests") == [("cancelled",)]
