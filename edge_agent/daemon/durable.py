@@ -148,8 +148,6 @@ class DaemonJournal:
         self._after: list[RequestRecord] = []  # finished in the open step: sessions to save
         self.steps = 0
         self.write_s = 0.0  # time spent in step/finish transactions (fsync included)
-        self.accept_commits = 0  # transactions that journaled new requests
-        self.accepted = 0  # requests they journaled
         # seconds: open, check, warm (preload tokenizers, beside the check), checked_while (the
         # two side by side), recover, reconcile, total
         self.start_s: dict[str, float] = {}
@@ -447,8 +445,6 @@ class DaemonJournal:
         except (JournalError, sqlite3.Error) as exc:
             self._failed(exc)
             raise JournalUnavailableError(self.unavailable().message) from exc
-        self.accept_commits += 1
-        self.accepted += len(rows)
 
     def begin_step(self) -> None:
         self._step_depth += 1
