@@ -205,3 +205,30 @@ def test_corrupt_copy_is_refused_naming_the_path(tiny_files: dict[str, Path], ar
     msg = str(exc.value)
     assert msg.startswith(f"{bad}: llama.cpp could not load this GGUF ("), what
     assert says in msg and "Hint:" in msg, (what, msg)
+
+
+def test_llama_cpp_reasons_survive_the_high_level_package(tiny_files: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """llama-cpp-python's own `__init__` (run at the first `llama_cpp.Llama`, after our log
+    callback is installed) sets its logger as llama.cpp's; ours is put back, so a refusal
+    still carries llama.cpp's reason. In a fresh interpreter: the import order is the point."""
+    import subprocess
+    import sys
+
+    bad = _rename(tiny_files["llama"], tmp_path / "bad.gguf", b"general.architecture",
+                  b"general.architectur_")
+    code = f"""
+from edge_agent.errors import ModelFileError
+from edge_agent.runtime.llama_vocab import llama_lib
+from edge_agent.runtime.llamacpp import LlamaCppEngine
+llama_lib()
+import llama_cpp
+assert llama_cpp.Llama  # the real package __init__ runs now
+try:
+    LlamaCppEngine.load({str(bad)!r}, max_batch=1, context=64, threads=1, mlock="off")
+except ModelFileError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "unknown model architecture: ''" in out, out

@@ -47,6 +47,9 @@ class Host:
     def notifier_extend(self, status: str) -> None:
         self.status.append(status)
 
+    def claim_runner(self, env: object) -> None:
+        return None  # nothing pre-started: every load spawns its runner
+
     def model_settled(self, svc: ModelService) -> None:
         self.settled.append((svc.name, svc.lifecycle.state))
         self._settled.set()

@@ -8,7 +8,6 @@ cli.main. `--print-config` prints the merged configuration as JSON on stdout and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 from typing import Any
@@ -55,14 +54,23 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
         return 0
-    from edge_agent.daemon.app import Daemon
-
     if not os.environ.get("LISTEN_FDS"):  # socket activation: the configured path is unused
         from edge_agent.sockpath import check_socket_path
 
         check_socket_path(config.server.socket, role="serve")  # before anything starts
+    from edge_agent.daemon.prestart import prestart
 
-    async def main() -> int:
-        return await Daemon(config).serve()
+    # a llama.cpp runner imports its engine while the daemon below is imported and set up
+    prestarted = prestart(config)
+    try:
+        import asyncio
 
-    return asyncio.run(main())
+        from edge_agent.daemon.app import Daemon
+
+        async def main() -> int:
+            return await Daemon(config, prestarted=prestarted).serve()
+
+        return asyncio.run(main())
+    finally:
+        if prestarted is not None:
+            prestarted.discard()

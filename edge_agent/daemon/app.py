@@ -39,6 +39,8 @@ import logging
 import os
 import secrets
 import signal
+import socket
+import subprocess
 import time
 import traceback
 import uuid
@@ -55,6 +57,7 @@ from edge_agent.daemon.health import cgroup_info, health_body, model_gauges
 from edge_agent.daemon.memory_guard import MemoryGuard
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.outcome import Outcome
+from edge_agent.daemon.prestart import Prestarted
 from edge_agent.daemon.request_table import RequestTable
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.routes import Router
@@ -116,9 +119,13 @@ class _Accepting:
 
 class Daemon:
     def __init__(self, config: Any, *, env: Mapping[str, str] = os.environ,
-                 cgroup_io: Callable[[], CgroupIO] = CgroupIO) -> None:
-        """`cgroup_io`: how cgroup files are accessed (tests pass a fake kernel's)."""
+                 cgroup_io: Callable[[], CgroupIO] = CgroupIO,
+                 prestarted: Prestarted | None = None) -> None:
+        """`cgroup_io`: how cgroup files are accessed (tests pass a fake kernel's);
+        `prestarted`: a runner started with the process (prestart.py) for the first llama.cpp
+        load to claim; the caller discards it at exit, the daemon once READY."""
         self.config = config
+        self.prestarted = prestarted
         self.env = dict(env)
         self.ready = False  # every preloaded model settled: READY=1 sent
         self.stopping = False  # SIGTERM: draining
@@ -194,6 +201,10 @@ class Daemon:
     # -- small services for the model loops and routes -----------------------------------------
     def request_exit(self) -> None:
         self._exit.set()
+
+    def claim_runner(self, env: Mapping[str, str]
+                     ) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
+        return self.prestarted.claim(env) if self.prestarted is not None else None
 
     def _record_event(self, kind: str, message: str) -> None:
         """An entry in the journal's event log, when the journal is open."""
@@ -551,6 +562,8 @@ class Daemon:
             waiter.cancel()
             ex.cancel()
         self.ready = True
+        if self.prestarted is not None:  # nobody claimed it (e.g. its load failed first)
+            await asyncio.to_thread(self.prestarted.discard)
         states = ", ".join(f"{s.name} {s.lifecycle.state.value}" for s in self.services.values())
         self.notifier.ready(f"serving on {where[0]}; models: {states}")
         log.info(f"ready: models: {states}")

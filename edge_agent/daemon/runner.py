@@ -27,11 +27,14 @@ Invariants owned here:
 - Load failures are reported as `Failed` (ipc.py) and the process exits 1; the
   control plane also notices a silent death by EOF on the socketpair.
 - EOF from the control plane (it exited) ends the runner: no orphan keeps weights pinned.
+- `--fd N --prestarted` (daemon/prestart.py) imports the llama.cpp engine first, then reads the
+  rest of its command line as one `{"argv": [...]}` frame; EOF before it: exit 0, nothing loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -95,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", help="the control plane's edge_agent level")
     p.add_argument("--pooling", default="model", help="embeddings: model, mean, cls or last")
     p.add_argument("--decode", default="batched", help="llamacpp: batched or alone")
+    p.add_argument("--checked", default="", help="the GGUF's stamp when the control plane's "
+                   "header parse accepted it (not parsed again)")
     return p
 
 
@@ -220,7 +225,8 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         engine = load_engine(args.engine, Path(args.model), state_dir=Path(args.state_dir),
                              dtype=args.dtype, mlock=args.mlock, max_batch=args.max_batch,
                              context=args.context, threads=args.threads or None,
-                             progress=progress, pooling=args.pooling, decode=args.decode)
+                             progress=progress, pooling=args.pooling, decode=args.decode,
+                             checked=args.checked)
     except EdgeAgentError as exc:
         _send(sock, Failed(error=str(exc)))
         return 1
@@ -257,10 +263,41 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         _send(sock, reply)
 
 
+def _prestarted(argv: list[str]) -> list[str] | None:
+    """`--fd N --prestarted` (daemon/prestart.py): import the llama.cpp engine now, while the
+    control plane starts, then wait for the rest of the command line (an `{"argv": [...]}`
+    frame). None: the socket closed first (nobody claimed this runner; nothing was loaded)."""
+    first = argparse.ArgumentParser(prog="edge_agent.daemon.runner", add_help=False)
+    first.add_argument("--fd", type=int, required=True)
+    fd = first.parse_known_args(argv)[0].fd
+    with contextlib.suppress(Exception):  # a failing import fails again, reported, in the load
+        from edge_agent.runtime.llama_vocab import llama_lib
+        from edge_agent.runtime.llamacpp import LlamaCppEngine  # noqa: F401
+
+        llama_lib()
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        frame = recv_frame(sock)
+    except (EOFError, OSError):
+        return None
+    finally:
+        sock.close()
+    rest = frame.get("argv")
+    if not isinstance(rest, list) or not all(isinstance(a, str) for a in rest):
+        raise SystemExit(f"edge_agent.daemon.runner: the argv frame holds {frame!r}, "
+                         "expected {\"argv\": [strings]}")
+    return ["--fd", str(fd), *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     # Ctrl-C in the terminal of a foreground `edge-agent serve` reaches the whole process group:
     # the control plane shuts down cleanly and ends this runner (EOF, then SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--prestarted" in argv:
+        argv = _prestarted(argv)
+        if argv is None:
+            return 0
     args = _parser().parse_args(argv)
     configure(logging.getLevelName(args.log_level))  # lines like the control plane's
     sock = socket.socket(fileno=args.fd)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -72,8 +71,9 @@ from edge_agent.daemon.ipc import (
 )
 from edge_agent.daemon.metrics import Metrics
 from edge_agent.daemon.outcome import EndCode, Outcome
+from edge_agent.daemon.prestart import runner_env
 from edge_agent.daemon.requests import RequestRecord
-from edge_agent.daemon.supervisor import RUNNER_ENV_DROP, RunnerHandle
+from edge_agent.daemon.supervisor import RunnerHandle
 from edge_agent.errors import EdgeAgentError
 from edge_agent.journal import JournalError, JournalStore
 from edge_agent.scheduler import (
@@ -89,6 +89,9 @@ from edge_agent.scheduler import (
 )
 
 if TYPE_CHECKING:
+    import socket
+    import subprocess
+
     from edge_agent.config import RuntimeConfig
 
 __all__ = ["ModelService", "EmbeddingError", "EvictionTimeout", "EMBED_MSG_TOKENS",
@@ -134,6 +137,10 @@ class ServiceHost(Protocol):
     def model_settled(self, svc: ModelService) -> None: ...  # loaded, failed or unloaded
 
     async def wait_settled(self) -> None: ...  # until the next model_settled
+
+    # a pre-started runner with this environment (prestart.py), once; None: spawn one
+    def claim_runner(self, env: Mapping[str, str]
+                     ) -> tuple[subprocess.Popen[bytes], socket.socket] | None: ...
 
 
 class ModelQueue(Protocol):
@@ -287,7 +294,8 @@ class ModelService:
                     from edge_agent.runtime.engines import open_tokenizer
 
                     self.tokenizer_from = "gguf"
-                    tok = open_tokenizer("llamacpp", self.path())
+                    tok = open_tokenizer("llamacpp", self.path(), checked=(
+                        self.facts.stamp if self.facts is not None else ""))
                 else:
                     tok = self._numpy_tokenizer()
                 self.tokenizer_s = time.perf_counter() - t0
@@ -303,15 +311,16 @@ class ModelService:
         if self.engine is not None and (self.facts is not None or self.engine != "llamacpp"):
             return
         from edge_agent.runtime.engines import (
+            FACTS_CACHE,
             LLAMACPP_RUNNER_BASE_BYTES,
+            cached_model_facts,
             llamacpp_budget_bytes,
-            model_facts,
             resolve_engine,
         )
 
         engine = resolve_engine(self.runtime.engine)
         if engine == "llamacpp":
-            facts = model_facts(self.path())
+            facts = cached_model_facts(self.path(), self.state_dir / FACTS_CACHE)
             if facts.context_length:
                 self.context = min(self.context, facts.context_length)
             # a model that pools (its own pooling type, or models.NAME.pooling) creates an
@@ -745,7 +754,8 @@ class ModelService:
                 "--state-dir", str(self.state_dir), "--dtype", rt.dtype,
                 "--mlock", rt.mlock, "--max-batch", str(self.max_batch),
                 "--context", str(self.context), "--threads", str(threads),
-                "--pooling", self.entry.pooling, "--decode", rt.decode]
+                "--pooling", self.entry.pooling, "--decode", rt.decode,
+                "--checked", self.facts.stamp if self.facts is not None else ""]
 
     def _on_runner_event(self, msg: Progress | Status) -> None:
         now = time.monotonic()
@@ -833,9 +843,7 @@ class ModelService:
             if self.engine != "llamacpp" or self.tokenizer is not None:
                 self.ensure_tokenizer()
             await self._check_budget(now)
-            env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV_DROP}
-            threads = str(self.runtime.threads or 1)
-            env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+            env = runner_env(self.engine or "numpy", self.runtime.threads)
             # models/<name>/ is created now; the runner joins it right after the spawn
             attach = self.memory.runner_hook(self.name, self.budget_bytes)
             runner = RunnerHandle(self.name, self._runner_args(), env=env,
@@ -845,7 +853,9 @@ class ModelService:
             self.runner = runner
             if self.tokenizer is None:
                 vocab = asyncio.ensure_future(asyncio.to_thread(self.ensure_tokenizer))
-            ready = await runner.start()
+            # a runner pre-started with the daemon (prestart.py) has its imports done
+            ready = await runner.start(
+                self.host.claim_runner(env) if self.engine == "llamacpp" else None)
             if vocab is not None:
                 await vocab
         except Exception as exc:  # noqa: BLE001 - any failure must leave LOADING (FAILED)

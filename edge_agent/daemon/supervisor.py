@@ -3,7 +3,9 @@
 Invariants owned here:
 - A runner is `python -m edge_agent.daemon.runner` started with subprocess + pass_fds: it holds
   only its end of the socketpair; the control plane closes that end in itself right after the
-  spawn, so the runner's death closes the pair and the reader task sees EOF at once.
+  spawn, so the runner's death closes the pair and the reader task sees EOF at once. A runner
+  pre-started with the daemon (prestart.py) is adopted the same way: attached (`on_spawn`)
+  before it is sent its arguments, so it loads nothing outside its group.
 - At most one request is outstanding per runner (`call` is serialised by a lock); each call gets
   exactly one reply or raises RunnerGone. Progress/status frames go to `on_event`.
 - `gone` is set as soon as the socket reports EOF; `returncode` is filled once the process is
@@ -18,7 +20,7 @@ import logging
 import os
 import signal
 import socket
-import sys
+import subprocess
 from collections.abc import Callable, Sequence
 
 from edge_agent.daemon.ipc import (
@@ -33,13 +35,10 @@ from edge_agent.daemon.ipc import (
     encode_frame,
     read_frame,
 )
+from edge_agent.daemon.prestart import runner_command
 from edge_agent.errors import EdgeAgentError
 
-__all__ = ["RunnerHandle", "RunnerLoadError", "RunnerGone", "RUNNER_ENV_DROP"]
-
-# systemd hands these to the daemon only; a runner must not notify or adopt sockets.
-RUNNER_ENV_DROP = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
-                             "LISTEN_PID", "LISTEN_FDNAMES"})
+__all__ = ["RunnerHandle", "RunnerLoadError", "RunnerGone"]
 
 
 def _log_level() -> str:
@@ -55,6 +54,49 @@ class _Gone:
     """Queued after the runner's socket closed: every waiting and later `call` sees it."""
 
 
+class _Adopted:
+    """A pre-started runner (prestart.py: a subprocess.Popen) with the parts of
+    asyncio.subprocess.Process this module uses: pid, returncode, send_signal, `await wait()`.
+    Its exit is noticed through a pidfd (a thread waiting for it where there is none)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._exited: asyncio.Future[int] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._popen.poll() is None:
+            self._popen.send_signal(sig)
+
+    def _watch(self) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfd (Linux < 5.3): a thread waits instead
+            return asyncio.ensure_future(asyncio.to_thread(self._popen.wait))
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not fut.done():
+                fut.set_result(self._popen.wait())
+
+        loop.add_reader(fd, exited)
+        return fut
+
+    async def wait(self) -> int:
+        if self._popen.poll() is not None:
+            return self._popen.returncode
+        if self._exited is None:
+            self._exited = self._watch()
+        return await asyncio.shield(self._exited)
+
+
 class RunnerHandle:
     def __init__(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
                  on_event: Callable[[Progress | Status], None] | None = None,
@@ -66,7 +108,7 @@ class RunnerHandle:
         self.env = env
         self.on_event = on_event
         self.on_gone = on_gone
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | _Adopted | None = None
         self.spawned = asyncio.Event()  # set once the spawn is done (the process exists) or failed
         self.gone = asyncio.Event()
         self.ready: Ready | None = None
@@ -83,20 +125,35 @@ class RunnerHandle:
     def returncode(self) -> int | None:
         return self.proc.returncode if self.proc else None
 
-    async def start(self) -> Ready:
-        """Spawn and wait for `ready` (the load + warm-up). Raises RunnerLoadError."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "edge_agent.daemon.runner", "--fd", str(child.fileno()),
-                *self.args, "--log-level", _log_level(), pass_fds=(child.fileno(),), env=self.env,
-                stdin=asyncio.subprocess.DEVNULL,
-            )
-            if self.on_spawn is not None:
-                self.on_spawn(self.proc.pid)
-        finally:
-            child.close()
-            self.spawned.set()
+    async def start(self, prestarted: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+                    ) -> Ready:
+        """Spawn (or adopt `prestarted`, a runner waiting for its arguments: prestart.py) and
+        wait for `ready` (the load + warm-up). Raises RunnerLoadError."""
+        argv = [*self.args, "--log-level", _log_level()]
+        if prestarted is not None:
+            popen, parent = prestarted
+            self.proc = _Adopted(popen)
+            try:
+                if self.on_spawn is not None:
+                    self.on_spawn(self.proc.pid)  # into its group before it loads anything
+            except BaseException:
+                parent.close()  # EOF: it exits without loading
+                raise
+            finally:
+                self.spawned.set()
+            with contextlib.suppress(OSError):  # it died: the reader sees EOF and its status
+                parent.sendall(encode_frame({"argv": argv}))
+        else:
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *runner_command(child.fileno()), *argv, pass_fds=(child.fileno(),),
+                    env=self.env, stdin=asyncio.subprocess.DEVNULL)
+                if self.on_spawn is not None:
+                    self.on_spawn(self.proc.pid)
+            finally:
+                child.close()
+                self.spawned.set()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         first = await self._next_reply()

@@ -18,6 +18,7 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ LLAMACPP_RUNNER_BASE_BYTES = 48 << 20
 # (`models.NAME.pooling`; "model": the GGUF's own `<arch>.pooling_type`) and llama.cpp's
 # llama_pooling_type values. 0 (none) and 4 (rank, a reranker's head) pool no sentence vector.
 POOLINGS = ("model", "mean", "cls", "last")
+FACTS_CACHE = "gguf-facts.json"  # cached_model_facts's file, in the state directory
+FACTS_KEPT = 16  # GGUF files it remembers, the most recently parsed
 _POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 # Tokens per llama_decode of the embedding context (`embed_batch_tokens`). In embeddings mode
 # llama.cpp computes every token's output, LM head included, so its compute and output buffers
@@ -132,18 +135,20 @@ def load_engine(engine: str, model_path: Path, *, state_dir: Path, dtype: str = 
                 mlock: str = "best-effort", max_batch: int = 8, context: int = 2048,
                 threads: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                pooling: str = "model", decode: str = "batched") -> EngineLike:
+                pooling: str = "model", decode: str = "batched",
+                checked: str = "") -> EngineLike:
     """Load `model_path` on `engine` (a resolved name), pinned by the `mlock` policy;
     `pooling` (POOLINGS) is how the llamacpp engine's `embed` pools (numpy embeds nothing);
     `decode` how its sequences share llama_decode calls (the numpy engine's batched step is
-    already batch-invariant: it ignores it)."""
+    already batch-invariant: it ignores it); `checked`: the gguf_stamp of a header parse
+    that accepted the file (llamacpp: not parsed again)."""
     name = resolve_engine(engine)
     if name == "llamacpp":
         from edge_agent.runtime.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine.load(model_path, mlock=mlock, max_batch=max_batch,
                                    context=context, threads=threads, pooling=pooling,
-                                   decode=decode)
+                                   decode=decode, checked=checked)
     from edge_agent.runtime.engine import DEFAULT_THREADS, Engine
 
     return Engine.load(model_path, state_dir=state_dir, dtype=dtype, mlock=mlock,
@@ -151,13 +156,14 @@ def load_engine(engine: str, model_path: Path, *, state_dir: Path, dtype: str = 
                        threads=threads or DEFAULT_THREADS, progress=progress)
 
 
-def open_tokenizer(engine: str, model_path: Path, metadata: dict[str, Any] | None = None
-                   ) -> Any:
-    """The tokenizer the control plane uses for `model_path` on `engine` (no weights read)."""
+def open_tokenizer(engine: str, model_path: Path, metadata: dict[str, Any] | None = None,
+                   *, checked: str = "") -> Any:
+    """The tokenizer the control plane uses for `model_path` on `engine` (no weights read);
+    `checked`: the gguf_stamp of a header parse that accepted the file (llamacpp)."""
     if resolve_engine(engine) == "llamacpp":
         from edge_agent.runtime.llama_vocab import LlamaVocab
 
-        return LlamaVocab.load(model_path)
+        return LlamaVocab.load(model_path, checked=checked)
     from edge_agent.runtime.gguf import GGUFFile
     from edge_agent.runtime.tokenizer import Tokenizer
 
@@ -181,6 +187,7 @@ class ModelFacts:
     vocab_size: int
     embedding_length: int = 0  # the model's hidden size: the length of its sentence vectors
     pooling_type: int = -1  # `<arch>.pooling_type` (llama_pooling_type); -1: not stated
+    stamp: str = ""  # the parsed file's llama_vocab.gguf_stamp ("": not known)
 
     def kv_bytes(self, tokens: int, *, sequences: int = 1, elem_bytes: int = 2) -> int:
         """K and V cache bytes for `sequences` of `tokens` each (f16 cells by default); a
@@ -191,10 +198,49 @@ class ModelFacts:
         return sequences * per * (full * tokens + self.swa_layers * swa_tokens)
 
 
+def cached_model_facts(model_path: Path, cache: Path) -> ModelFacts:
+    """model_facts, kept in the JSON file `cache` by path and `gguf_stamp`: the same file
+    (device, inode, size, mtime) is not parsed again (a 49k-token vocabulary's header takes
+    ~0.04 s at every start, before the runner can be told what to load). A missing, stale or
+    unreadable entry is parsed and rewritten; a cache that cannot be written costs only that."""
+    import dataclasses
+    import json
+    import os
+
+    from edge_agent.runtime.llama_vocab import gguf_stamp
+
+    try:
+        entries = json.loads(cache.read_text())
+        entry = entries.get(str(model_path)) if isinstance(entries, dict) else None
+        if isinstance(entry, dict) and entry.get("stamp") == gguf_stamp(model_path):
+            return ModelFacts(**entry)
+    except (OSError, ValueError, TypeError):
+        entries = None
+    facts = model_facts(model_path)
+    if facts.stamp:
+        kept = {k: v for k, v in (entries or {}).items()
+                if isinstance(v, dict) and k != str(model_path)}
+        kept = dict(list(kept.items())[-(FACTS_KEPT - 1):])
+        kept[str(model_path)] = dataclasses.asdict(facts)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(kept))
+            os.replace(tmp, cache)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    return facts
+
+
 def model_facts(model_path: Path, metadata: dict[str, Any] | None = None) -> ModelFacts:
     """ModelFacts from the GGUF header at `model_path` (reads metadata and tensor infos)."""
     from edge_agent.runtime.gguf import GGUFFile
+    from edge_agent.runtime.llama_vocab import gguf_stamp
 
+    try:
+        stamp = gguf_stamp(model_path)  # before the parse: a file replaced meanwhile differs
+    except OSError:
+        stamp = ""  # the parse names the problem
     with GGUFFile(model_path, string_arrays=False) as g:  # the vocabulary: its length only
         meta = dict(metadata if metadata is not None else g.metadata)
         tensor_bytes = g.size - g.data_offset
@@ -231,7 +277,7 @@ def model_facts(model_path: Path, metadata: dict[str, Any] | None = None) -> Mod
         tensor_bytes=tensor_bytes,
         sliding_window=window, swa_layers=swa_layers,
         vocab_size=len(meta.get("tokenizer.ggml.tokens", ())),
-        embedding_length=dim, pooling_type=get("pooling_type", -1))
+        embedding_length=dim, pooling_type=get("pooling_type", -1), stamp=stamp)
 
 
 def embedding_pooling(pooling_type: int, override: str = "model") -> str | None:

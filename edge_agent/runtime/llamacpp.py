@@ -292,7 +292,7 @@ class LlamaCppEngine:
 
     def __init__(self, path: Path, *, max_batch: int = 8, context: int = 2048,
                  threads: int | None = None, mlock: str = "best-effort",
-                 pooling: str = "model", decode: str = "batched") -> None:
+                 pooling: str = "model", decode: str = "batched", checked: str = "") -> None:
         if decode not in DECODE_MODES:
             raise LlamaCppError(f"decode mode {decode!r} is not valid. Hint: use one of "
                                 f"{', '.join(DECODE_MODES)}.")
@@ -302,7 +302,7 @@ class LlamaCppEngine:
         if mlock not in memlock.MLOCK_POLICIES:
             raise LlamaCppError(f"mlock policy {mlock!r} is not valid. Hint: use one of "
                                 f"{', '.join(memlock.MLOCK_POLICIES)}.")
-        check_gguf(path)
+        check_gguf(path, checked)  # `checked`: the control plane's parse accepted this file
         lib = llama_lib()
         self._lib = lib
         self.path = Path(path)
@@ -386,12 +386,12 @@ class LlamaCppEngine:
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], *, mlock: str = "best-effort",
              max_batch: int = 8, context: int = 2048, threads: int | None = None,
-             pooling: str = "model", decode: str = "batched",
+             pooling: str = "model", decode: str = "batched", checked: str = "",
              **_ignored: Any) -> LlamaCppEngine:
         """Load `model_path` and pin the runner's memory by the `mlock` policy."""
         path = Path(model_path)
         engine = cls(path, max_batch=max_batch, context=context, threads=threads, mlock=mlock,
-                     pooling=pooling, decode=decode)
+                     pooling=pooling, decode=decode, checked=checked)
         try:
             engine.pin()
         except BaseException:
