@@ -40,8 +40,8 @@ def runner_env(engine: str, threads: int | None, env: Mapping[str, str] = os.env
                ) -> dict[str, str]:
     """A runner's environment: ours without systemd's hand-overs, and the BLAS/OpenMP pools
     numpy gets. The numpy engine computes in them (runtime.threads, else 1: two collapsed
-    3-4x on a shared 2-core machine); on llama.cpp numpy only samples, and a pool of N
-    threads costs ~0.06 s of CPU at import, during the start, for nothing: 1."""
+    3-4x on a shared 2-core machine); on llama.cpp numpy only samples, and a pool of 2
+    threads cost 0.06-0.09 s more CPU at import, during the start, for nothing: 1."""
     out = {k: v for k, v in env.items() if k not in RUNNER_ENV_DROP}
     n = str((threads or 1) if engine == "numpy" else 1)
     out.update(OPENBLAS_NUM_THREADS=n, OMP_NUM_THREADS=n)
