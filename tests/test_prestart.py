@@ -108,7 +108,7 @@ def test_prestart_only_when_a_llamacpp_load_starts_with_the_daemon(
     try:
         assert pre.claim({**env, "EXTRA": "1"}) is None  # another environment: spawn one
         claimed = pre.claim(env)
-        assert claimed is not None and claimed[0].pid == pre.pid
+        assert claimed is not None and claimed[0] is pre.proc
         assert pre.claim(env) is None  # once
     finally:
         if claimed is not None:

@@ -62,10 +62,6 @@ class Prestarted:
         self.sock: socket.socket | None = sock
         self.env = env
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def claim(self, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
         """The process and its socket, once, when it runs with `env` and is still alive."""
         if self.sock is None or dict(env) != self.env or self.proc.poll() is not None:
@@ -88,6 +84,8 @@ class Prestarted:
 
 
 def _wants_llamacpp(config: Any) -> bool:
+    """A preload model on the llama.cpp engine: runtime.engine's resolution (engines.py's
+    resolve_engine) without importing the bindings, which is the runner's work."""
     if not any(entry.preload for entry in config.models.values()):
         return False
     engine = config.runtime.engine

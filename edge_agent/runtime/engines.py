@@ -198,6 +198,23 @@ class ModelFacts:
         return sequences * per * (full * tokens + self.swa_layers * swa_tokens)
 
 
+def write_cache_json(path: Path, obj: Any) -> None:
+    """Replace the small cache file `path` with `obj` as JSON, atomically (a temporary file,
+    then rename): a reader sees the old file or the new one. OSError when it cannot be written
+    (no temporary file is left); the caller decides what the lost write costs."""
+    import json
+    import os
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def cached_model_facts(model_path: Path, cache: Path) -> ModelFacts:
     """model_facts, kept in the JSON file `cache` by path and `gguf_stamp`: the same file
     (device, inode, size, mtime) is not parsed again (a 49k-token vocabulary's header takes
@@ -205,7 +222,6 @@ def cached_model_facts(model_path: Path, cache: Path) -> ModelFacts:
     unreadable entry is parsed and rewritten; a cache that cannot be written costs only that."""
     import dataclasses
     import json
-    import os
 
     from edge_agent.runtime.llama_vocab import gguf_stamp
 
@@ -222,13 +238,8 @@ def cached_model_facts(model_path: Path, cache: Path) -> ModelFacts:
                 if isinstance(v, dict) and k != str(model_path)}
         kept = dict(list(kept.items())[-(FACTS_KEPT - 1):])
         kept[str(model_path)] = dataclasses.asdict(facts)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(kept))
-            os.replace(tmp, cache)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        with contextlib.suppress(OSError):  # unwritten: the next start parses again
+            write_cache_json(cache, kept)
     return facts
 
 

@@ -76,7 +76,7 @@ import numpy as np
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.runtime import memlock
 from edge_agent.runtime.constrain import Constraints
-from edge_agent.runtime.engines import embed_batch_tokens, embedding_pooling
+from edge_agent.runtime.engines import embed_batch_tokens, embedding_pooling, write_cache_json
 from edge_agent.runtime.llama_vocab import (
     LlamaVocab,
     check_gguf,
@@ -204,16 +204,12 @@ def _write_verdict(path: Path, key: str, verdict: bool) -> None:
     verdicts = {k: v for k, v in _read_verdicts(path).items() if k != key}
     verdicts[key] = verdict
     kept = dict(list(verdicts.items())[-VERDICTS_KEPT:])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"verdicts": kept}))
-        os.replace(tmp, path)
+        write_cache_json(path, {"verdicts": kept})
     except OSError as exc:
         log.warning("batch-invariance cache %s not written (%s); the next load probes again",
                     path, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
 
 
 def _prefill_chunks(spans: list[tuple[int, list[int]]]) -> Iterator[list[tuple[int, int, int]]]:
