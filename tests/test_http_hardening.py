@@ -311,6 +311,28 @@ def test_half_sent_headers_time_out_with_408() -> None:
     run(main())
 
 
+def test_a_request_that_arrived_while_the_daemon_stalled_is_answered() -> None:
+    """The whole process stalls between accepting a connection and reading it (memory.high
+    throttling, a suspended VM: seen in the sibling-pressure guest as a reset /health), longer
+    than the head's timeout. The request already waits in the socket: it is answered, not
+    dropped. A client that sends nothing, or only part of a head, still times out."""
+    async def main() -> None:
+        async with serving(header_timeout_s=0.3) as (srv, sock, _h, _logs):
+            admit = srv._admit
+
+            def admit_then_stall(client: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+                admit(client, loop)
+                loop.call_soon(time.sleep, 0.6)  # the loop runs nothing else for 0.6 s
+
+            srv._admit = admit_then_stall  # type: ignore[method-assign]
+            out = await exchange(sock, get("/health"))
+            assert out.startswith(b"HTTP/1.1 200") and out.endswith(b'"serving"}'), out[:300]
+            assert await exchange(sock, b"") == b""
+            out = await exchange(sock, b"GET /health HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+            assert status_and_error(out)[0] == 408
+    run(main())
+
+
 def test_slow_body_times_out_with_408() -> None:
     async def main() -> None:
         async with serving(header_timeout_s=0.3) as (_, sock, _h, _logs):

@@ -23,6 +23,9 @@ Invariants owned here:
   complete within `header_timeout_s`. A body must keep arriving (no gap longer than
   `header_timeout_s`). A head or body cut short is answered 408 and closed; an idle connection
   is closed silently. A client that reads no response bytes for `send_timeout_s` is dropped.
+  The timeouts judge the client, not the daemon: when the daemon itself was stalled past a
+  deadline (memory.high throttling, a suspended VM), what the client sent meanwhile is still
+  read and answered.
   Handlers and streams have no time limit here (deadlines are the scheduler's).
 - Connection cap. At most `max_connections` connections are served. When one more arrives, the
   oldest idle connection (waiting for a request, not a byte of it received, idle for at least
@@ -67,6 +70,7 @@ READ_CHUNK = 65536
 MAX_HEAD_BYTES = 64 * 1024
 EVICT_GRACE_S = 0.25  # a connection this young is not "idle" yet: its request may be in flight
 RETRY_AFTER_S = 1
+LATE_LOOK_S = 0.1  # past a deadline, how long the loop may take to see bytes already received
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _HEAD_HINTS = {
     400: "send HTTP/1.1: a request line `METHOD /path HTTP/1.1`, header lines `Name: value`, "
@@ -403,6 +407,7 @@ class HttpServer:
         c.idle, c.since = not got, start
         wait = self.header_timeout_s if (first or got) else self.idle_timeout_s
         deadline = start + wait
+        late_look = True
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
@@ -410,7 +415,13 @@ class HttpServer:
                 return event
             what = (f"the request head did not arrive within {self.header_timeout_s:g} s"
                     if got or first else f"idle for {self.idle_timeout_s:g} s")
-            data = await self._read(reader, deadline - loop.time(), got, what)
+            timeout = deadline - loop.time()
+            if timeout <= 0 and late_look:
+                # The deadline passed before this connection was read at all: the whole
+                # process was stalled (memory.high throttling, a suspended VM). What the client
+                # sent meanwhile waits in the socket and counts; the loop looks once.
+                timeout, late_look = LATE_LOOK_S, False
+            data = await self._read(reader, timeout, got, what)
             if data and not got:
                 got, c.idle = True, False
                 if not first:
