@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import pytest
 from daemon_proc import REPO, Daemon, launch, serve_argv
 
 from edge_agent.config import load_config
-from edge_agent.daemon.ipc import Ready, Status, decode, encode_frame, recv_frame
+from edge_agent.daemon.ipc import MAX_FRAME, Ready, Status, decode, encode_frame, recv_frame
 from edge_agent.daemon.prestart import prestart, runner_env
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.llama_vocab import llama_available
@@ -87,6 +88,24 @@ def test_a_bad_argv_frame_is_refused_by_name(frame: dict[str, Any]) -> None:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert b"argv frame holds" in err and repr(frame).encode() in err
+
+
+@pytest.mark.parametrize("raw, said", [
+    (b"\x00\x00\x00\x05argv[", b"argv frame is refused: Expecting value"),  # not JSON
+    (b"\x00\x00\x00\x02[]", b"argv frame is refused: frame holds a JSON list"),
+    (struct.pack(">I", MAX_FRAME + 1), b"argv frame is refused: a frame of 67108865 bytes"),
+])
+def test_an_argv_frame_that_cannot_be_read_is_refused_not_taken_for_eof(
+        raw: bytes, said: bytes) -> None:
+    """Unlike EOF (nobody claimed the runner: exit 0), a frame the runner cannot read is our
+    own bug: exit 1 with the reason, nothing loaded."""
+    proc, sock = _prestarted()
+    with sock:
+        sock.sendall(raw)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert said in err and b"expected {\"argv\": [strings]}" in err, err
+    assert b"Traceback" not in err
 
 
 @pytest.mark.parametrize("overrides, wanted", [

@@ -30,7 +30,8 @@ from edge_agent.errors import EdgeAgentError
 if TYPE_CHECKING:  # the runner reads frames without asyncio (imported by the control plane)
     import asyncio
 
-__all__ = ["MAX_FRAME", "RunnerGone", "encode_frame", "read_frame", "recv_frame", "send_frame",
+__all__ = ["MAX_FRAME", "FrameTooLarge", "RunnerGone", "encode_frame", "read_frame", "recv_frame",
+           "send_frame",
            "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown",
            "Status", "Progress", "Failed", "Ready", "StepResult", "Embedded", "Pong",
            "ErrorReply", "TokenLogprob", "Snapshot", "SnapshotData", "Restore", "Restored"]
@@ -41,6 +42,11 @@ _LEN = struct.Struct(">I")
 
 class RunnerGone(EdgeAgentError):
     """The runner's end of the socketpair closed (the process exited or was killed)."""
+
+
+class FrameTooLarge(EOFError):
+    """A length prefix over MAX_FRAME (blocking side): the stream cannot be read on, so it
+    ends here like an EOF, but the reason can be told."""
 
 
 def encode_frame(obj: dict[str, Any]) -> bytes:
@@ -81,7 +87,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_FRAME:
-        raise EOFError(f"frame of {n} bytes exceeds MAX_FRAME")
+        raise FrameTooLarge(f"a frame of {n} bytes exceeds MAX_FRAME={MAX_FRAME}")
     return _decode(_recv_exact(sock, n))
 
 

@@ -28,7 +28,8 @@ Invariants owned here:
   control plane also notices a silent death by EOF on the socketpair.
 - EOF from the control plane (it exited) ends the runner: no orphan keeps weights pinned.
 - `--fd N --prestarted` (daemon/prestart.py) imports the llama.cpp engine first, then reads the
-  rest of its command line as one `{"argv": [...]}` frame; EOF before it: exit 0, nothing loaded.
+  rest of its command line as one `{"argv": [...]}` frame; EOF before it: exit 0, nothing loaded;
+  a frame that is no such object (not JSON, over MAX_FRAME, wrong fields): exit 1, saying so.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from edge_agent.daemon.ipc import (
     Embedded,
     ErrorReply,
     Failed,
+    FrameTooLarge,
     Message,
     Ping,
     Pong,
@@ -278,6 +280,9 @@ def _prestarted(argv: list[str]) -> list[str] | None:
     sock = socket.socket(fileno=os.dup(fd))
     try:
         frame = recv_frame(sock)
+    except (FrameTooLarge, ValueError) as exc:  # not EOF: a control plane bug, said as one
+        raise SystemExit(f"edge_agent.daemon.runner: the argv frame is refused: {exc}; "
+                         "expected {\"argv\": [strings]}") from None
     except (EOFError, OSError):
         return None
     finally:
