@@ -300,9 +300,11 @@ class DaemonServer(Server):
 
 def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
                   threads: int | None, port: int, decode: str = "batched",
-                  sync: str = "full") -> Path:
+                  sync: str = "full", window_ms: float | None = None) -> Path:
     cfg = root / "config.toml"
     thr = f"threads = {threads}\n" if threads else ""
+    if window_ms is not None:
+        thr += f"step_window_ms = {window_ms}\n"
     cfg.write_text(
         f'default_model = "{model}"\n'
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{state_dir}"\n'
@@ -318,9 +320,10 @@ def daemon_config(root: Path, state_dir: Path, model: str, gguf: Path, engine: s
 @contextlib.contextmanager
 def run_daemon(root: Path, state_dir: Path, model: str, gguf: Path, engine: str,
                threads: int | None, decode: str = "batched",
-               sync: str = "full") -> Iterator[Server]:
+               sync: str = "full", window_ms: float | None = None) -> Iterator[Server]:
     port = free_port()
-    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port, decode, sync)
+    cfg = daemon_config(root, state_dir, model, gguf, engine, threads, port, decode, sync,
+                        window_ms)
     t0 = time.perf_counter()
     d = spawn(Daemon, root, ["-m", "edge_agent", "serve", "--config", str(cfg)],
               start_new_session=True)
@@ -542,6 +545,9 @@ def main() -> int:
     ap.add_argument("--journal-sync", choices=("full", "extra", "normal", "off"),
                     default="full", help="the daemon's journal.sync (normal: no fsync per "
                     "decode step; a power cut may lose the last commits)")
+    ap.add_argument("--step-window-ms", type=float, default=None,
+                    help="the daemon's runtime.step_window_ms (default: its own default; 0: "
+                    "one decode step per runner message)")
     ap.add_argument("--quiet-cpus", type=float, default=0.5,
                     help="before each measurement, wait until other processes keep at most "
                          "this many CPUs busy (negative: do not wait)")
@@ -565,8 +571,9 @@ def main() -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache/edge-agent")
     models = model_paths(args.models.split(","), cache / "models")
+    window = "default" if args.step_window_ms is None else f"{args.step_window_ms:g} ms"
     print(f"bench/serve.py: {threads} threads, decode {args.decode}, journal.sync "
-          f"{args.journal_sync}, runs {args.runs}, "
+          f"{args.journal_sync}, step window {window}, runs {args.runs}, "
           f"levels {levels}, {args.tokens} tokens; llama-server {bins['server']}",
           file=sys.stderr)
     results = []
@@ -587,7 +594,8 @@ def main() -> int:
                         srv_root = Path(tempfile.mkdtemp(prefix="s-", dir=root))
                         servers[kind] = stack.enter_context(
                             run_daemon(srv_root, state_dir, model, copies[kind], "llamacpp",
-                                       threads, args.decode, args.journal_sync)
+                                       threads, args.decode, args.journal_sync,
+                                       args.step_window_ms)
                             if kind == "daemon" else
                             run_llama_server(srv_root, bins["server"], copies[kind], threads))
                     got = measure(servers, lv, order, args.tokens,

@@ -71,6 +71,7 @@ class RuntimeConfig:
     dtype: str = "f32"
     threads: int | None = None  # None: choose from the CPU count
     decode: str = "batched"  # llamacpp: one llama_decode per step, or one per sequence (alone)
+    step_window_ms: float = 50.0  # decode steps per runner message: as many as fit (0: one)
     memory_budget_bytes: int | None = None  # None ("max"): the cgroup limit, else MemAvailable
 
 
@@ -217,7 +218,7 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
         },
         "scheduler": asdict(SchedulerConfig()),
         "runtime": {"engine": "auto", "mlock": "best-effort", "dtype": "f32", "threads": "auto",
-                    "decode": "batched", "memory_budget_bytes": "max"},
+                    "decode": "batched", "step_window_ms": 50.0, "memory_budget_bytes": "max"},
         "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
                    "rtscts": False, "echo": True, "max_line": 512, "mode": "auto"},
         "journal": {"enabled": True, "path": "", "sync": "full", "ack": "durable",

@@ -108,6 +108,11 @@ SECTIONS: dict[str, dict[str, Key]] = {
                       "sequences of a step share one llama_decode) or alone (one call per "
                       "sequence: tokens never depend on what else runs, on every model; a "
                       "fraction of batched throughput); the numpy engine is exact either way"),
+        "step_window_ms": Key(cv.float_in(0, 1000), "50", "decode steps the runner runs per "
+                              "message: as many as fit in this window (at least one; 0: one), "
+                              "so the control plane's work per message (journal commit, round "
+                              "trip) is paid once per window; streams get tokens in bursts of "
+                              "at most this long"),
         "memory_budget_bytes": Key(cv.size_or_max, '"max"', "memory for all loaded models "
                                    "(\"max\": the cgroup limit, else available RAM)"),
     },

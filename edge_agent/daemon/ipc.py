@@ -114,11 +114,16 @@ class AddSeq:
 
 @dataclass(frozen=True)
 class Step:
-    """Release, then add (prefill: each returns its first token), then one decode step."""
+    """Release, then add (prefill: each returns its first token), then `steps` decode steps of
+    the `step` sequences. A sequence stops early in a message at a stop id or after
+    `limits[id]` tokens (default `steps`); its first token goes in the reply's `tokens`, the
+    rest in `then`."""
 
     release: tuple[str, ...] = ()
     add: tuple[AddSeq, ...] = ()
     step: tuple[str, ...] = ()
+    steps: int = 1
+    limits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,8 @@ class StepResult:
     step_s: float
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # those that asked
     cached: dict[str, int] = field(default_factory=dict)  # per add: prompt-cache tokens reused
+    then: dict[str, tuple[int, ...]] = field(default_factory=dict)  # later steps' tokens, in order
+    steps: int = 1  # decode steps run (step_s covers them all)
 
 
 @dataclass(frozen=True)

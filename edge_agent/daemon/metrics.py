@@ -71,6 +71,7 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (model, outcome)
         self.tokens: dict[str, int] = defaultdict(int)
+        self.messages: dict[str, int] = defaultdict(int)  # runner step messages
         self.prompt_tokens: dict[str, int] = defaultdict(int)
         self.prompt_cache_hit_tokens: dict[str, int] = defaultdict(int)  # of prompt_tokens
         self.prompt_cache_hits: dict[str, int] = defaultdict(int)  # requests with any
@@ -81,10 +82,15 @@ class Metrics:
         self.latency: dict[str, Histogram] = defaultdict(lambda: Histogram(LATENCY_BUCKETS))
         self.step_seconds: dict[str, Histogram] = defaultdict(lambda: Histogram(STEP_BUCKETS))
 
-    def observe_step(self, model: str, batch: int, tokens: int, step_s: float) -> None:
+    def observe_step(self, model: str, batch: int, tokens: int, step_s: float,
+                     steps: int = 1) -> None:
+        """One runner message: `steps` decode steps (runtime.step_window_ms) of `batch`
+        sequences in `step_s`; each step is observed with its share of the time."""
+        self.messages[model] += 1
         if batch:
-            self.batch[model].observe(batch)
-            self.step_seconds[model].observe(step_s)
+            for _ in range(max(1, steps)):
+                self.batch[model].observe(batch)
+                self.step_seconds[model].observe(step_s / max(1, steps))
         self.tokens[model] += tokens
 
     def request_done(self, rec: Any, outcome: str) -> None:
@@ -118,6 +124,11 @@ class Metrics:
         family("edge_agent_tokens_generated_total", "counter", "Tokens sampled by runners.")
         for model, n in sorted(self.tokens.items()):
             lines.append(f'edge_agent_tokens_generated_total{{model="{model}"}} {n}')
+        family("edge_agent_runner_messages_total", "counter",
+               "Step messages answered by runners (each runs up to runtime.step_window_ms "
+               "of decode steps).")
+        for model, n in sorted(self.messages.items()):
+            lines.append(f'edge_agent_runner_messages_total{{model="{model}"}} {n}')
         family("edge_agent_prompt_tokens_total", "counter",
                "Prompt tokens of finished requests (every outcome), by model.")
         for model, n in sorted(self.prompt_tokens.items()):
@@ -132,8 +143,9 @@ class Metrics:
         for (model, event), n in sorted(self.model_events.items()):
             lines.append(f'edge_agent_model_events_total{{model="{model}",event="{event}"}} {n}')
         for name, hists, help_ in (
-                ("edge_agent_batch_size", self.batch, "Sequences per runner step."),
-                ("edge_agent_step_seconds", self.step_seconds, "Runner step wall time."),
+                ("edge_agent_batch_size", self.batch, "Sequences per decode step."),
+                ("edge_agent_step_seconds", self.step_seconds,
+                 "Decode step wall time (a runner message's time, shared by its steps)."),
                 ("edge_agent_ttft_seconds", self.ttft, "Submission to first token."),
                 ("edge_agent_request_latency_seconds", self.latency,
                  "Submission to completion.")):

@@ -298,10 +298,11 @@ class OllamaRoutes:
                       t0: float) -> AsyncIterator[bytes]:
         held = rec.request.tools is not None  # a call or text: known at the end
         try:
-            async for _, piece in rec.follow(0):
-                if piece and not held:
-                    yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                       text=piece))
+            async for batch in rec.follow_batches(0):
+                out = [ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
+                                    text=piece)) for _, piece in batch if piece and not held]
+                if out:
+                    yield b"".join(out)
             end = rec.outcome
             if end is not None and end.code is not None:
                 yield ndjson({"error": end.message})

@@ -172,12 +172,21 @@ class RequestRecord:
 
     async def follow(self, start: int = 0) -> AsyncIterator[tuple[int, str]]:
         """Yield (token index, text piece) from token `start` on, until the request ends."""
+        async for batch in self.follow_batches(start):
+            for item in batch:
+                yield item
+
+    async def follow_batches(self, start: int = 0) -> AsyncIterator[list[tuple[int, str]]]:
+        """Like `follow`, but the pieces there are at each wake-up come as one list (a runner
+        message brings several tokens: a stream writes them to its client at once)."""
         i = start
         while True:
             changed = self._changed
-            while i < len(self.pieces):
-                yield i, self.pieces[i]
-                i += 1
+            n = len(self.pieces)
+            if i < n:
+                yield [(j, self.pieces[j]) for j in range(i, n)]
+                i = n
+                continue
             if self.done.is_set():
                 return
             await changed.wait()

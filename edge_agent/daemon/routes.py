@@ -228,14 +228,18 @@ class Router:
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)
-            async for i, piece in rec.follow(0):
-                upto = rec.piece_logprobs[i]
-                if piece or upto > sent or (first and rec.request.chat):
-                    yield sse_event(completion_chunk(
-                        text=piece, finish_reason=None, first=first, include_usage=usage,
-                        logprobs=self._logprobs(rec, sent, upto), **common))
-                    first = False
-                    sent = upto
+            async for batch in rec.follow_batches(0):
+                out = []  # one write for the pieces of one runner message
+                for i, piece in batch:
+                    upto = rec.piece_logprobs[i]
+                    if piece or upto > sent or (first and rec.request.chat):
+                        out.append(sse_event(completion_chunk(
+                            text=piece, finish_reason=None, first=first, include_usage=usage,
+                            logprobs=self._logprobs(rec, sent, upto), **common)))
+                        first = False
+                        sent = upto
+                if out:
+                    yield b"".join(out)
             end = rec.outcome
             if end is not None and end.code is not None:
                 extra = {"status": END_STATUS[end.code], "id": rec.id, **end.extra()}
@@ -322,8 +326,9 @@ class Router:
         return StreamResponse(self._native_stream(self._record(rid), start))
 
     async def _native_stream(self, rec: RequestRecord, start: int) -> AsyncIterator[bytes]:
-        async for i, piece in rec.follow(start):
-            yield sse_event({"index": i, "text": piece}, event="token", event_id=i)
+        async for batch in rec.follow_batches(start):
+            yield b"".join(sse_event({"index": i, "text": piece}, event="token", event_id=i)
+                           for i, piece in batch)
         yield sse_event(rec.to_dict(time.monotonic()), event="end")
 
     async def delete_session(self, req: Request, sid: str) -> Reply:

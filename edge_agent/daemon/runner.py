@@ -154,17 +154,43 @@ def _step(engine: EngineLike, msg: Step) -> StepResult:
     for sid in failed:
         engine.constraints.release(sid)  # drops a grammar started for it
     step_ids = [s for s in msg.step if s not in errors]
-    if step_ids:
+    then: dict[str, list[int]] = {}
+    steps = 0
+    while step_ids:
+        steps += 1
         try:
-            for sid, tok in engine.step(step_ids).items():
-                tokens[sid] = int(tok)
-            _logprobs(engine, logprobs)
+            out = engine.step(step_ids)
+            if steps == 1:
+                _logprobs(engine, logprobs)
         except EdgeAgentError as exc:
             for sid in step_ids:
                 errors[sid] = str(exc)
+            break
+        if steps >= msg.steps:
+            for sid, tok in out.items():  # the last step: nothing is stepped after it
+                _put(tokens, then, sid, int(tok))
+            break
+        stop_ids = engine.stop_ids
+        going = []
+        for sid, tok in out.items():
+            n = _put(tokens, then, sid, int(tok))
+            if tok not in stop_ids and n < msg.limits.get(sid, msg.steps):
+                going.append(sid)
+        step_ids = going
     return StepResult(tokens=tokens, errors=errors, free_blocks=engine.free_blocks,
                       step_s=time.perf_counter() - t0, logprobs=logprobs,
-                      cached=cached)
+                      cached=cached, then={k: tuple(v) for k, v in then.items()},
+                      steps=max(steps, 1))
+
+
+def _put(tokens: dict[str, int], then: dict[str, list[int]], sid: str, tok: int) -> int:
+    """Record `sid`'s next token of this message; how many it has now (in `tokens` + `then`)."""
+    if sid not in tokens:
+        tokens[sid] = tok
+        return 1
+    more = then.setdefault(sid, [])
+    more.append(tok)
+    return 1 + len(more)
 
 
 def _embed(engine: EngineLike, msg: Embed) -> Embedded:

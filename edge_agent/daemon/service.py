@@ -102,6 +102,7 @@ log = logging.getLogger(__name__)
 
 EVICT_WAIT_S = 60.0  # how long a load waits for the models it evicts to unload
 EVICT_ROUNDS = 3
+MAX_STEPS = 16  # decode steps in one runner message, at most (runtime.step_window_ms)
 EMBED_MSG_TOKENS = 512  # input tokens of one `embed` runner message (more inputs: more messages)
 KV_SNAPSHOT_BYTES = 256 << 20  # KV snapshots kept in the journal, all models (newest first)
 EMBED_ATTEMPTS = 2  # runs of an embedding request's remaining messages (a runner death: one more)
@@ -273,7 +274,8 @@ class ModelService:
         # the step sent to the runner whose reply is not taken in yet (one step of lookahead)
         self._inflight: asyncio.Future[Message] | None = None
         self._inflight_size = 0
-        self._pending_ids: set[str] = set()  # sequences with a token in that reply
+        self._pending: dict[str, int] = {}  # sequences with tokens in that reply: at most how many
+        self._decode_s: float | None = None  # one decode step of the recent batches, smoothed
         self._load_progress: tuple[int, int] | None = None
         self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
         self.embeds = 0  # embedding requests using the runner now (embed())
@@ -647,14 +649,19 @@ class ModelService:
                                generated=tuple(rec.tokens)))  # resume by prefill
         self.journal.started([a.id for a in adds])
         added = {a.id for a in adds}
-        step_ids = [jid for jid, rec in self.active.items()
-                    if jid not in added and self._may_step(jid, rec)]
-        msg = Step(release=tuple(self.to_release), add=tuple(adds), step=tuple(step_ids))
+        room = {jid: self._room(jid, rec) for jid, rec in self.active.items()
+                if jid not in added}
+        step_ids = [jid for jid, n in room.items() if n >= 1]
+        steps = self._steps(adds, step_ids)
+        limits = {jid: room[jid] for jid in step_ids if room[jid] < steps}
+        msg = Step(release=tuple(self.to_release), add=tuple(adds), step=tuple(step_ids),
+                   steps=steps, limits=limits)
         self.to_release = []
         prev, prev_size = self._inflight, self._inflight_size
         self._inflight = asyncio.ensure_future(self.runner.call(msg))
         self._inflight_size = len(adds) + len(step_ids)
-        self._pending_ids = added | set(step_ids)
+        self._pending = {a.id: 1 for a in adds}
+        self._pending.update((jid, min(steps, room[jid])) for jid in step_ids)
         if prev is None:
             return  # the first step since the runner (re)started: its reply comes next turn
         try:
@@ -664,14 +671,29 @@ class ModelService:
             return
         self._take_reply(reply, prev_size)
 
-    def _may_step(self, jid: str, rec: RequestRecord) -> bool:
-        """Whether `jid` can be in the message sent before the in-flight reply is read. A
-        sequence with a token in flight is stepped ahead only when that token cannot end it
-        by length (so its KV never outgrows the context); one that ends by end-of-sequence
-        or a stop string costs one wasted step, released in the next message."""
-        if jid not in self._pending_ids:
-            return True
-        return len(rec.tokens) + 1 < rec.max_new
+    def _room(self, jid: str, rec: RequestRecord) -> int:
+        """How many tokens `jid` may get in the message sent before the in-flight reply is
+        read: its length budget less the tokens in flight, so its KV never outgrows the
+        context. One that ends by end-of-sequence or a stop string in flight costs at most one
+        wasted step, released in the next message (the runner stops a sequence at its stop
+        id within a message)."""
+        return rec.max_new - len(rec.tokens) - self._pending.get(jid, 0)
+
+    def _steps(self, adds: list[AddSeq], step_ids: list[str]) -> int:
+        """Decode steps for the next message: as many as fit in `runtime.step_window_ms`, so
+        the control plane's work per message (the journal's commit, the runner round trip,
+        the wake-ups) is paid once per window, not once per token. One when sequences are
+        added (their first tokens go out at once), when one asks for logprobs, or when
+        requests wait for a slot."""
+        window = self.runtime.step_window_ms / 1000
+        per = self._decode_s
+        if window <= 0 or per is None or per <= 0 or adds or not step_ids:
+            return 1
+        if self.scheduler.queued(self.name) > 0:
+            return 1
+        if any(self.active[jid].wants_logprobs for jid in step_ids):
+            return 1
+        return max(1, min(MAX_STEPS, int(window / per)))
 
     def _take_reply(self, reply: Message, size: int) -> None:
         now = time.monotonic()
@@ -681,7 +703,12 @@ class ModelService:
             reply = StepResult(tokens={}, errors={jid: f"runner: {reply}" for jid in
                                                   self._held}, free_blocks=None, step_s=0.0)
         self.free_blocks = reply.free_blocks
-        self.metrics.observe_step(self.name, size, len(reply.tokens), reply.step_s)
+        ntok = len(reply.tokens) + sum(len(t) for t in reply.then.values())
+        self.metrics.observe_step(self.name, size, ntok, reply.step_s, reply.steps)
+        if not reply.cached and size and reply.steps:  # no prefill in it: decode steps only
+            per = reply.step_s / reply.steps
+            d = self._decode_s
+            self._decode_s = per if d is None else 0.7 * d + 0.3 * per
         for jid, cached in reply.cached.items():
             rec = self._held_record(jid)
             if rec is not None:  # a resumed attempt's cache may cover generated tokens too
@@ -701,6 +728,10 @@ class ModelService:
                 continue
             before = len(rec.tokens)
             finished = rec.push(int(token), logprobs.get(jid))
+            for more in reply.then.get(jid, ()):
+                if finished:
+                    break  # stepped past its end within the message: discarded
+                finished = rec.push(int(more))
             self.journal.token(rec, before)
             if finished:
                 self._release(jid)
@@ -719,7 +750,7 @@ class ModelService:
         """Wait for the in-flight step and take in its reply (no new message is sent)."""
         prev, size = self._inflight, self._inflight_size
         self._inflight = None
-        self._pending_ids = set()
+        self._pending = {}
         if prev is None:
             return
         try:
@@ -737,7 +768,7 @@ class ModelService:
     def _forget_inflight(self) -> None:
         """Drop the in-flight step (its runner is gone or going): nothing waits on it."""
         task, self._inflight = self._inflight, None
-        self._pending_ids = set()
+        self._pending = {}
         if task is not None:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if not task.done():

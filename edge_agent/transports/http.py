@@ -649,6 +649,9 @@ class HttpServer:
 
     async def _drain(self, writer: asyncio.StreamWriter) -> None:
         """Wait for the client to take the bytes; one that reads nothing is dropped."""
+        transport = writer.transport
+        if not transport.is_closing() and transport.get_write_buffer_size() == 0:
+            return  # the socket took it all: nothing to wait for (no timer, no task per chunk)
         try:
             await asyncio.wait_for(writer.drain(), self.send_timeout_s)
         except asyncio.TimeoutError:

@@ -1,0 +1,196 @@
+"""The step window (`runtime.step_window_ms`): one runner message runs several decode steps.
+
+In process, the runner's own `_step` over the real engines and the default model: a message of
+N steps gives the tokens N one-step messages give, a sequence stops inside a message at its stop
+id and at its limit, and the next message continues it. End to end, two daemons on llama.cpp,
+one with a 1000 ms window and one with none, answer the same requests (temperature 0, a seed,
+a stop string, logprobs, two requests batched) with the same text, and the first answers far
+fewer runner messages than it samples tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import Daemon, launch, serve_argv
+
+from edge_agent.daemon.ipc import AddSeq, Step, StepResult
+from edge_agent.daemon.runner import _step
+from edge_agent.paths import default_model_path
+from edge_agent.runtime.engines import EngineLike, load_engine
+
+PROMPT = "Once upon a time, a dragon"
+
+
+@pytest.fixture(scope="module", params=["llamacpp", "numpy"])
+def engine(request: pytest.FixtureRequest, prepared_state_dir: Path) -> Iterator[EngineLike]:
+    if request.param == "llamacpp":
+        pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python")
+    e = load_engine(str(request.param), default_model_path(), state_dir=prepared_state_dir,
+                    mlock="off", max_batch=4, context=256, threads=1)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def _ids(engine: EngineLike) -> tuple[int, ...]:
+    return tuple(engine.tokenizer.encode(PROMPT))
+
+
+def _add(engine: EngineLike, sid: str, params: dict[str, Any]) -> int:
+    reply = _step(engine, Step(add=(AddSeq(id=sid, prompt=_ids(engine), params=params),)))
+    assert not reply.errors, reply.errors
+    return reply.tokens[sid]
+
+
+def _tokens(reply: StepResult, sid: str) -> list[int]:
+    return [reply.tokens[sid], *reply.then.get(sid, ())] if sid in reply.tokens else []
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 64, "temperature": 0},
+                                    {"max_tokens": 64, "temperature": 0.8, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_n_steps_in_one_message_are_n_one_step_messages(engine: EngineLike,
+                                                        params: dict[str, Any]) -> None:
+    ref = [_add(engine, "one", params)]
+    for _ in range(9):
+        reply = _step(engine, Step(step=("one",)))
+        assert reply.steps == 1 and not reply.then
+        ref += _tokens(reply, "one")
+    _step(engine, Step(release=("one",)))
+
+    got = [_add(engine, "many", params)]
+    for _ in range(3):
+        reply = _step(engine, Step(step=("many",), steps=3))
+        assert reply.steps == 3 and len(reply.then["many"]) == 2
+        got += _tokens(reply, "many")
+    _step(engine, Step(release=("many",)))
+    assert got == ref
+
+
+def test_a_sequence_stops_inside_a_message_at_its_limit_and_its_stop_id(
+        engine: EngineLike, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = {"max_tokens": 64, "temperature": 0}
+    ref = [_add(engine, "ref", params)]
+    reply = _step(engine, Step(step=("ref",), steps=8))
+    ref += _tokens(reply, "ref")
+    _step(engine, Step(release=("ref",)))
+    assert len(ref) == 9
+
+    # a limit of 2: that sequence gets 2 tokens, the other all 5; the next message goes on
+    _add(engine, "a", params)
+    _add(engine, "b", params)
+    reply = _step(engine, Step(step=("a", "b"), steps=5, limits={"a": 2}))
+    assert _tokens(reply, "a") == ref[1:3] and _tokens(reply, "b") == ref[1:6]
+    assert reply.steps == 5
+    reply = _step(engine, Step(step=("a",), steps=2))
+    assert _tokens(reply, "a") == ref[3:5]
+    _step(engine, Step(release=("a", "b")))
+
+    # a stop id (here the greedy run's 4th token, as if it were end-of-sequence): the sequence
+    # is not stepped past it, the other one is
+    monkeypatch.setattr(engine, "stop_ids", frozenset(engine.stop_ids) | {ref[3]})
+    assert ref[3] not in ref[:3]
+    _add(engine, "c", params)
+    _add(engine, "d", {"max_tokens": 64, "temperature": 0.8, "seed": 5})
+    reply = _step(engine, Step(step=("c", "d"), steps=6))
+    assert _tokens(reply, "c") == ref[1:4]
+    assert len(_tokens(reply, "d")) == 6 or _tokens(reply, "d")[-1] in engine.stop_ids
+    _step(engine, Step(release=("c", "d")))
+
+
+# -- end to end ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def daemons() -> Iterator[dict[str, Daemon]]:
+    pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python")
+    with launch_windowed(1000) as wide, launch_windowed(0) as none:
+        yield {"wide": wide, "none": none}
+
+
+def launch_windowed(window_ms: float) -> Any:
+    root = Path(tempfile.mkdtemp(prefix="ea-", dir="/tmp"))
+    cfg = root / "config.toml"
+    cfg.write_text(
+        f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+        "[scheduler]\nmax_batch_size = 4\n"
+        f'[runtime]\nengine = "llamacpp"\nthreads = 1\nstep_window_ms = {window_ms}\n'
+        "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n")
+    return launch(Daemon, root, serve_argv(cfg))
+
+
+def _metric(d: Daemon, name: str) -> float:
+    _, _, data = d.call("GET", "/metrics")
+    for line in data.decode().splitlines():
+        if line.startswith(name + "{") and 'model="smollm2"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _streamed(d: Daemon, body: dict[str, Any]) -> tuple[str, str | None, Any]:
+    status, _, data = d.call("POST", "/v1/completions", {**body, "stream": True})
+    assert status == 200, data[:500]
+    events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] or "" for c in chunks)
+    lps = [c["choices"][0].get("logprobs") for c in chunks]
+    return text, chunks[-1]["choices"][0]["finish_reason"], lps
+
+
+def test_a_wide_window_gives_the_same_streams_in_fewer_runner_messages(
+        daemons: dict[str, Daemon]) -> None:
+    greedy = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    bodies = [greedy,
+              {"prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 7},
+              {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+               "logprobs": 2}]
+    outs: dict[str, list[Any]] = {}
+    before = {k: (_metric(d, "edge_agent_runner_messages_total"),
+                  _metric(d, "edge_agent_tokens_generated_total")) for k, d in daemons.items()}
+    for kind, d in daemons.items():
+        outs[kind] = [_streamed(d, b) for b in bodies]
+    assert outs["wide"] == outs["none"]
+    text, reason, _ = outs["wide"][0]
+    assert reason == "length" and len(text) > 40
+    for kind, d in daemons.items():
+        messages = _metric(d, "edge_agent_runner_messages_total") - before[kind][0]
+        tokens = _metric(d, "edge_agent_tokens_generated_total") - before[kind][1]
+        assert tokens >= 48 + 8, (kind, tokens)
+        if kind == "wide":  # 3 one-step messages at the start of each request at most
+            assert messages * 3 < tokens, (messages, tokens)
+        else:
+            assert messages >= tokens - 3, (messages, tokens)  # one step, one token each
+
+    # a stop string in the middle of the greedy text: cut there on both, the runner's extra
+    # steps past it are dropped
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    cut = {kind: _streamed(d, {**greedy, "stop": [stop]}) for kind, d in daemons.items()}
+    assert cut["wide"] == cut["none"]
+    assert cut["wide"][1] == "stop" and cut["wide"][0] == text[:text.index(stop)]
+
+
+def test_batched_requests_under_a_wide_window_end_where_they_would_alone(
+        daemons: dict[str, Daemon]) -> None:
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0}
+              for p, n in (("The capital of France is", 30), ("def fibonacci(n):", 45),
+                           (PROMPT, 17))]
+    alone = [_streamed(daemons["none"], b)[:2] for b in bodies]
+    got: list[Any] = [None] * len(bodies)
+
+    def run(i: int) -> None:
+        got[i] = _streamed(daemons["wide"], bodies[i])[:2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == alone
+    daemons["wide"].wait_quiet()  # every sequence released: no KV block stays taken
