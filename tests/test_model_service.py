@@ -259,3 +259,43 @@ def test_the_running_requests_are_the_schedulers(tmp_path: Path) -> None:
         assert c.job.state is JobState.QUEUED
 
     asyncio.run(go())
+
+
+def test_the_step_window_counts_steps_by_the_batch_measured(tmp_path: Path) -> None:
+    """`runtime.step_window_ms`: as many decode steps per message as fit in the window, from
+    the step time measured for that batch size (or a larger one); one step before any such
+    measurement, while sequences are added or requests wait, and for logprobs."""
+    from edge_agent.daemon.ipc import AddSeq, StepResult
+
+    w = make_world(tmp_path / "m.gguf")
+    svc = w.svc
+    assert svc.runtime.step_window_ms == 50  # the default
+    recs = [submit(w, f"r{i}") for i in range(3)]
+    taken = w.sched.take("m", 2, 0.0)
+    assert [j.id for j in taken] == ["r0", "r1"] and list(svc.active) == ["r0", "r1"]
+    both, one = ["r0", "r1"], ["r0"]
+    assert svc._steps([], both) == 1  # nothing measured
+
+    def decoded(size: int, step_s: float, steps: int) -> None:
+        svc._take_reply(StepResult(tokens={}, errors={}, free_blocks=None, step_s=step_s,
+                                   steps=steps), size)
+
+    decoded(1, 0.030, 3)  # 10 ms a step, one sequence
+    w.sched.cancel("r2", 0.0)  # nobody waits for a slot any more
+    assert svc._steps([], one) == 5
+    assert svc._steps([], both) == 1  # a batch of 1's time would overrun the window
+    decoded(2, 0.040, 2)  # 20 ms a step, two sequences
+    assert svc._steps([], both) == 2
+    decoded(2, 0.080, 2)  # slower now: smoothed, 26 ms
+    assert svc._steps([], both) == 1
+    add = AddSeq(id="r9", prompt=(1,), params={})
+    assert svc._steps([add], one) == 1  # its first token goes out at once
+    submit(w, "r3")  # waits for a slot: joins at the next message
+    assert svc._steps([], one) == 1
+    w.sched.cancel("r3", 0.0)
+    assert svc._steps([], one) == 5
+    recs[0].wants_logprobs = True
+    assert svc._steps([], one) == 1
+    svc.runtime = RuntimeConfig(engine="numpy", step_window_ms=0)
+    recs[0].wants_logprobs = False
+    assert svc._steps([], one) == 1

@@ -98,12 +98,25 @@ def test_a_sequence_stops_inside_a_message_at_its_limit_and_its_stop_id(
     # is not stepped past it, the other one is
     monkeypatch.setattr(engine, "stop_ids", frozenset(engine.stop_ids) | {ref[3]})
     assert ref[3] not in ref[:3]
+    ended: set[str] = set()  # the runner's, kept across messages
     _add(engine, "c", params)
     _add(engine, "d", {"max_tokens": 64, "temperature": 0.8, "seed": 5})
-    reply = _step(engine, Step(step=("c", "d"), steps=6))
+    reply = _step(engine, Step(step=("c", "d"), steps=6), ended)
     assert _tokens(reply, "c") == ref[1:4]
     assert len(_tokens(reply, "d")) == 6 or _tokens(reply, "d")[-1] in engine.stop_ids
-    _step(engine, Step(release=("c", "d")))
+    assert "c" in ended
+    # the next message (sent before the control plane saw the stop) does not step it again
+    reply = _step(engine, Step(step=("c", "d"), steps=2), ended)
+    assert "c" not in reply.tokens and "c" not in reply.then
+    # released, the id is free again: a new sequence of that id is stepped as any other
+    _step(engine, Step(release=("c", "d")), ended)
+    assert not ended
+    reply = _step(engine, Step(add=(AddSeq(id="c", prompt=_ids(engine), params=params),)),
+                  ended)
+    assert reply.tokens["c"] == ref[0]
+    reply = _step(engine, Step(step=("c",), steps=2), ended)
+    assert _tokens(reply, "c") == ref[1:3]
+    _step(engine, Step(release=("c",)), ended)
 
 
 # -- end to end ------------------------------------------------------------------------------------

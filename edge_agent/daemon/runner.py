@@ -131,9 +131,14 @@ def _start(engine: EngineLike, add: AddSeq) -> Any:
     return seq
 
 
-def _step(engine: EngineLike, msg: Step) -> StepResult:
+def _step(engine: EngineLike, msg: Step, ended: set[str] | None = None) -> StepResult:
+    """Run one step message. `ended` (kept by the caller across messages): the sequences that
+    sampled a stop id; they are not stepped again (the control plane, which ends a request on
+    the same ids, releases them with its next message)."""
     t0 = time.perf_counter()
+    ended = set() if ended is None else ended
     for sid in msg.release:
+        ended.discard(sid)
         try:
             engine.release(sid)
         except (KeyError, EdgeAgentError):
@@ -149,11 +154,15 @@ def _step(engine: EngineLike, msg: Step) -> StepResult:
     logprobs: dict[str, TokenLogprob] = {}
     _logprobs(engine, logprobs)
     tokens = {sid: int(tok) for sid, tok in added.items()}
+    stop_ids = engine.stop_ids
+    for add in msg.add:
+        ended.discard(add.id)
+    ended.update(sid for sid, tok in tokens.items() if tok in stop_ids)
     cached = {sid: engine.cached_tokens(sid) for sid in added}  # from the prompt cache
     errors.update((sid, str(exc)) for sid, exc in failed.items())
     for sid in failed:
         engine.constraints.release(sid)  # drops a grammar started for it
-    step_ids = [s for s in msg.step if s not in errors]
+    step_ids = [s for s in msg.step if s not in errors and s not in ended]
     then: dict[str, list[int]] = {}
     steps = 0
     while step_ids:
@@ -166,16 +175,16 @@ def _step(engine: EngineLike, msg: Step) -> StepResult:
             for sid in step_ids:
                 errors[sid] = str(exc)
             break
-        if steps >= msg.steps:
-            for sid, tok in out.items():  # the last step: nothing is stepped after it
-                _put(tokens, then, sid, int(tok))
-            break
-        stop_ids = engine.stop_ids
         going = []
-        for sid, tok in out.items():
-            n = _put(tokens, then, sid, int(tok))
-            if tok not in stop_ids and n < msg.limits.get(sid, msg.steps):
+        for sid, raw in out.items():
+            tok = int(raw)
+            n = _put(tokens, then, sid, tok)
+            if tok in stop_ids:
+                ended.add(sid)
+            elif n < msg.limits.get(sid, msg.steps):
                 going.append(sid)
+        if steps >= msg.steps:
+            break
         step_ids = going
     return StepResult(tokens=tokens, errors=errors, free_blocks=engine.free_blocks,
                       step_s=time.perf_counter() - t0, logprobs=logprobs,
@@ -221,10 +230,10 @@ def _send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
 
-def _answer(engine: EngineLike, msg: Message) -> Message | None:
+def _answer(engine: EngineLike, msg: Message, ended: set[str]) -> Message | None:
     """The reply to one request (None: stop serving)."""
     if isinstance(msg, Step):
-        return _step(engine, msg)
+        return _step(engine, msg, ended)
     if isinstance(msg, Embed):
         return _embed(engine, msg)
     if isinstance(msg, Snapshot):
@@ -275,6 +284,7 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
                       stop_ids=tuple(sorted(int(i) for i in engine.stop_ids)),
                       context=engine.context, free_blocks=engine.free_blocks,
                       engine=engine.describe(), batch_invariant=invariant))
+    ended: set[str] = set()  # sequences that sampled a stop id, until released
     while True:
         try:
             frame = recv_frame(sock)
@@ -285,7 +295,7 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         except ValueError as exc:
             _send(sock, ErrorReply(error=str(exc)))
             continue
-        reply = _answer(engine, msg)
+        reply = _answer(engine, msg, ended)
         if reply is None:
             return 0
         _send(sock, reply)

@@ -275,7 +275,7 @@ class ModelService:
         self._inflight: asyncio.Future[Message] | None = None
         self._inflight_size = 0
         self._pending: dict[str, int] = {}  # sequences with tokens in that reply: at most how many
-        self._decode_s: float | None = None  # one decode step of the recent batches, smoothed
+        self._decode_s: dict[int, float] = {}  # one decode step, smoothed, by batch size
         self._load_progress: tuple[int, int] | None = None
         self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
         self.embeds = 0  # embedding requests using the runner now (embed())
@@ -674,9 +674,9 @@ class ModelService:
     def _room(self, jid: str, rec: RequestRecord) -> int:
         """How many tokens `jid` may get in the message sent before the in-flight reply is
         read: its length budget less the tokens in flight, so its KV never outgrows the
-        context. One that ends by end-of-sequence or a stop string in flight costs at most one
-        wasted step, released in the next message (the runner stops a sequence at its stop
-        id within a message)."""
+        context. One that ends in flight at a stop id costs nothing more (the runner does not
+        step a sequence past a stop id, in this message or the next); one that ends at a stop
+        string costs the next message's steps, dropped, and is released in the one after."""
         return rec.max_new - len(rec.tokens) - self._pending.get(jid, 0)
 
     def _steps(self, adds: list[AddSeq], step_ids: list[str]) -> int:
@@ -686,14 +686,19 @@ class ModelService:
         added (their first tokens go out at once), when one asks for logprobs, or when
         requests wait for a slot."""
         window = self.runtime.step_window_ms / 1000
-        per = self._decode_s
-        if window <= 0 or per is None or per <= 0 or adds or not step_ids:
+        if window <= 0 or adds or not step_ids:
             return 1
         if self.scheduler.queued(self.name) > 0:
             return 1
         if any(self.active[jid].wants_logprobs for jid in step_ids):
             return 1
-        return max(1, min(MAX_STEPS, int(window / per)))
+        # the step time of this batch size, else of the nearest larger one measured; none:
+        # one step (a smaller batch's time would overrun the window)
+        known = [b for b in self._decode_s if b >= len(step_ids)]
+        if not known:
+            return 1
+        per = self._decode_s[min(known)]
+        return max(1, min(MAX_STEPS, int(window / per))) if per > 0 else 1
 
     def _take_reply(self, reply: Message, size: int) -> None:
         now = time.monotonic()
@@ -707,8 +712,8 @@ class ModelService:
         self.metrics.observe_step(self.name, size, ntok, reply.step_s, reply.steps)
         if not reply.cached and size and reply.steps:  # no prefill in it: decode steps only
             per = reply.step_s / reply.steps
-            d = self._decode_s
-            self._decode_s = per if d is None else 0.7 * d + 0.3 * per
+            d = self._decode_s.get(size)
+            self._decode_s[size] = per if d is None else 0.7 * d + 0.3 * per
         for jid, cached in reply.cached.items():
             rec = self._held_record(jid)
             if rec is not None:  # a resumed attempt's cache may cover generated tokens too
