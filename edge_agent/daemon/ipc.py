@@ -117,7 +117,8 @@ class Step:
     """Release, then add (prefill: each returns its first token), then `steps` decode steps of
     the `step` sequences. A sequence stops early in a message at a stop id or after
     `limits[id]` tokens (default `steps`); its first token goes in the reply's `tokens`, the
-    rest in `then`."""
+    rest in `then`. Logprobs are reported for the first step only (ask for one step when a
+    sequence wants them)."""
 
     release: tuple[str, ...] = ()
     add: tuple[AddSeq, ...] = ()

@@ -10,11 +10,14 @@ Invariants owned here:
 - The runner is stateless towards the outside: it decides nothing. Each `step` message is executed
   in order: releases first (free KV blocks), then prefill of added sequences (each returns its
   first token; an add with `generated` rebuilds the cache from the prompt and those tokens and
-  returns the next one: a resumed request continues where it stopped), then one batched decode
-  step of the listed sequences. The reply's `logprobs` holds, for each sequence whose params ask,
-  `[chosen token's logprob, [[id, logprob], ...the N most likely]]`; its `cached` says, per added
-  sequence, how many of its leading tokens the engine's prompt cache held (they were not prefilled
-  again).
+  returns the next one: a resumed request continues where it stopped), then `steps` batched
+  decode steps of the listed sequences (one by default; a sequence leaves the batch at a stop id
+  or after its `limits` tokens; its first token is in the reply's `tokens`, the others in
+  `then`). A sequence that sampled a stop id is not stepped again until it is released. The
+  reply's `logprobs` holds, for each sequence whose params ask, `[chosen token's logprob,
+  [[id, logprob], ...the N most likely]]` of the message's first step; its `cached` says, per
+  added sequence, how many of its leading tokens the engine's prompt cache held (they were not
+  prefilled again).
 - An `embed` message (token-id lists) is answered with one L2-normalized vector per list,
   float32 little-endian, base64 (`embedded`), or the engine's refusal in `error`; it runs in
   the engine's embedding context, between two steps, and changes no sequence.
