@@ -212,6 +212,7 @@ def test_each_stage_asks_the_models_and_refusals_map_to_http_and_uart(tmp_path: 
     assert rid == low.id and not high.done.is_set()
     assert why.startswith("request req-low (model busy, priority 0) cancelled under memory "
                           "pressure: stage 3 (cancel-lowest)") and "Hint: retry later" in why
+    assert "(running: 1 at priority 0, 1 at priority 5)" in why  # what it chose among
     assert g.shed == {"busy": 1}
     kinds = [kind for kind, _ in host.events]
     assert kinds == ["memory_pressure"] * 4  # three stage changes and the shed request

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -357,11 +357,13 @@ class MemoryGuard:
         victims = [rec for rec in running if rec.job.priority == low]
         if len(prios) == 1:  # one level only: shed the newest, keep the rest going
             victims = [max(running, key=lambda r: r.job.started_at or 0.0)]
+        counts = Counter(rec.job.priority for rec in running)
+        seen = ", ".join(f"{counts[p]} at priority {p}" for p in sorted(counts))
         for rec in victims:
             msg = (f"request {rec.id} (model {rec.model}, priority {rec.job.priority}) cancelled "
                    f"under memory pressure: stage 3 ({STAGE_NAMES[3]}) sheds the lowest-priority "
-                   "running requests so the kernel does not have to kill a runner. Hint: retry "
-                   "later, or send it with a higher priority.")
+                   f"running requests so the kernel does not have to kill a runner (running: "
+                   f"{seen}). Hint: retry later, or send it with a higher priority.")
             self.shed[rec.model] += 1
             self.shed_request(rec, now, msg)
             log.warning(msg)
