@@ -2,15 +2,18 @@
 
 In process, the runner's own `_step` over the real engines and the default model: a message of
 N steps gives the tokens N one-step messages give, a sequence stops inside a message at its stop
-id and at its limit, and the next message continues it. End to end, two daemons on llama.cpp,
-one with a 1000 ms window and one with none, answer the same requests (temperature 0, a seed,
-a stop string, logprobs, two requests batched) with the same text, and the first answers far
-fewer runner messages than it samples tokens.
+id and at its limit, and the next message continues it; a `hurry` frame on the runner's real
+socket ends a message after its step in progress. End to end, two daemons on llama.cpp, one
+with a 1000 ms window and one with none, answer the same requests (temperature 0, a seed, a
+stop string, logprobs, two requests batched) with the same text, and the first answers far
+fewer runner messages than it samples tokens; a request that arrives while a long message runs
+gets its first token within a few of the running stream's tokens, not after two windows.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -20,8 +23,10 @@ from typing import Any
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
 
-from edge_agent.daemon.ipc import AddSeq, Step, StepResult
-from edge_agent.daemon.runner import _step
+from edge_agent.client import UnixHTTPConnection
+from edge_agent.daemon.ipc import AddSeq, Hurry, Ping, Step, StepResult, encode, send_frame
+from edge_agent.daemon.runner import _Inbox, _step
+from edge_agent.daemon.service import MAX_STEPS
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.engines import EngineLike, load_engine
 
@@ -119,6 +124,39 @@ def test_a_sequence_stops_inside_a_message_at_its_limit_and_its_stop_id(
     _step(engine, Step(release=("c",)), ended)
 
 
+def test_a_hurry_ends_a_message_after_the_step_in_progress(engine: EngineLike) -> None:
+    params = {"max_tokens": 64, "temperature": 0}
+    ref = [_add(engine, "ref", params)]
+    ref += _tokens(_step(engine, Step(step=("ref",), steps=6)), "ref")
+    _step(engine, Step(release=("ref",)))
+
+    runner_end, cp_end = socket.socketpair()
+    with runner_end, cp_end:
+        inbox = _Inbox(runner_end)
+        asked = []
+
+        def hurried() -> bool:  # the runner's own check, after the control plane wrote
+            asked.append(len(asked))  # a hurry and the next message during step 2
+            if len(asked) == 2:
+                send_frame(cp_end, encode(Hurry()))
+                send_frame(cp_end, encode(Ping()))
+            return inbox.hurried()
+
+        _add(engine, "h", params)
+        reply = _step(engine, Step(step=("h",), steps=6), None, hurried)
+        assert reply.steps == 2 and _tokens(reply, "h") == ref[1:3]
+        assert asked == [0, 1]  # asked between steps only
+        assert inbox.next() == encode(Ping())  # the next message waited its turn
+        reply = _step(engine, Step(step=("h",), steps=3), None, inbox.hurried)
+        assert reply.steps == 3 and _tokens(reply, "h") == ref[3:6]  # nothing left to hurry
+        _step(engine, Step(release=("h",)))
+
+        cp_end.close()  # the control plane went away mid-message: the message ends, then the
+        assert inbox.hurried()  # end is reported in its turn
+        with pytest.raises(EOFError):
+            inbox.next()
+
+
 # -- end to end ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemons() -> Iterator[dict[str, Daemon]]:
@@ -207,3 +245,52 @@ def test_batched_requests_under_a_wide_window_end_where_they_would_alone(
         t.join(120)
     assert got == alone
     daemons["wide"].wait_quiet()  # every sequence released: no KV block stays taken
+
+
+def test_a_request_that_comes_mid_window_starts_within_a_few_steps(
+        daemons: dict[str, Daemon]) -> None:
+    """A long stream runs messages of MAX_STEPS steps; a request that arrives as one begins
+    gets its first token within a few of that stream's tokens: the runner ends the message at
+    its next step (hurry), the one already built runs one step (`_at_send`), the next adds it.
+    Without either, the stream gets at least MAX_STEPS more tokens first."""
+    d = daemons["wide"]
+    d.wait_quiet()
+    seen = [0]  # the long stream's chunks so far
+    at_submit = [0]
+    burst = threading.Event()
+
+    def long_stream() -> None:
+        conn = UnixHTTPConnection(str(d.sock), timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "stream": True}),
+                {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            while data := resp.read1(1 << 16):  # what one wake-up brings: a message's burst
+                seen[0] += data.count(b"data: {")
+                if seen[0] >= 24 and not burst.is_set():
+                    at_submit[0] = seen[0]
+                    burst.set()  # a message of the full window began about now
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=long_stream, daemon=True)
+    t.start()
+    assert burst.wait(120), seen
+    conn = UnixHTTPConnection(str(d.sock), timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        while not resp.readline().startswith(b"data: {"):
+            pass
+        at_first = seen[0]
+        resp.read()
+    finally:
+        conn.close()
+    t.join(120)
+    assert seen[0] >= at_first + 4, seen  # the long stream was still going
+    assert at_first - at_submit[0] < MAX_STEPS - 4, (at_submit, at_first)

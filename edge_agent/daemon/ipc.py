@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the runner reads frames without asyncio (imported by the co
 
 __all__ = ["MAX_FRAME", "FrameTooLarge", "RunnerGone", "encode_frame", "read_frame", "recv_frame",
            "send_frame",
-           "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown",
+           "Message", "encode", "decode", "AddSeq", "Step", "Embed", "Ping", "Shutdown", "Hurry",
            "Status", "Progress", "Failed", "Ready", "StepResult", "Embedded", "Pong",
            "ErrorReply", "TokenLogprob", "Snapshot", "SnapshotData", "Restore", "Restored"]
 
@@ -118,7 +118,7 @@ class Step:
     the `step` sequences. A sequence stops early in a message at a stop id or after
     `limits[id]` tokens (default `steps`); its first token goes in the reply's `tokens`, the
     rest in `then`. Logprobs are reported for the first step only (ask for one step when a
-    sequence wants them)."""
+    sequence wants them). A Hurry that arrives meanwhile ends it after the step in progress."""
 
     release: tuple[str, ...] = ()
     add: tuple[AddSeq, ...] = ()
@@ -155,6 +155,13 @@ class Ping:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Hurry:
+    """No reply: work waits in the control plane (a queued request), so the runner ends the
+    step message in progress after its current decode step (its reply says how many ran).
+    Between messages it means nothing and is dropped."""
 
 
 # runner -> control plane
@@ -237,11 +244,12 @@ class ErrorReply:
     error: str
 
 
-Message = (AddSeq | Step | Embed | Ping | Shutdown | Status | Progress | Failed | Ready
+Message = (AddSeq | Step | Embed | Ping | Shutdown | Hurry | Status | Progress | Failed | Ready
            | StepResult | Embedded | Pong | ErrorReply | Snapshot | SnapshotData | Restore
            | Restored)
 _OPS: dict[str, type[Any]] = {
-    "step": Step, "embed": Embed, "ping": Ping, "shutdown": Shutdown, "status": Status,
+    "step": Step, "embed": Embed, "ping": Ping, "shutdown": Shutdown, "hurry": Hurry,
+    "status": Status,
     "progress": Progress, "failed": Failed, "ready": Ready, "result": StepResult,
     "embedded": Embedded, "pong": Pong, "error": ErrorReply, "snapshot": Snapshot,
     "snapshot_data": SnapshotData, "restore": Restore, "restored": Restored,

@@ -13,7 +13,8 @@ Invariants owned here:
   returns the next one: a resumed request continues where it stopped), then `steps` batched
   decode steps of the listed sequences (one by default; a sequence leaves the batch at a stop id
   or after its `limits` tokens; its first token is in the reply's `tokens`, the others in
-  `then`). A sequence that sampled a stop id is not stepped again until it is released. The
+  `then`; a `hurry` frame, which has no reply, ends the message after the step in progress).
+  A sequence that sampled a stop id is not stepped again until it is released. The
   reply's `logprobs` holds, for each sequence whose params ask, `[chosen token's logprob,
   [[id, logprob], ...the N most likely]]` of the message's first step; its `cached` says, per
   added sequence, how many of its leading tokens the engine's prompt cache held (they were not
@@ -41,10 +42,13 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,7 @@ from edge_agent.daemon.ipc import (
     ErrorReply,
     Failed,
     FrameTooLarge,
+    Hurry,
     Message,
     Ping,
     Pong,
@@ -134,10 +139,13 @@ def _start(engine: EngineLike, add: AddSeq) -> Any:
     return seq
 
 
-def _step(engine: EngineLike, msg: Step, ended: set[str] | None = None) -> StepResult:
+def _step(engine: EngineLike, msg: Step, ended: set[str] | None = None,
+          hurried: Callable[[], bool] | None = None) -> StepResult:
     """Run one step message. `ended` (kept by the caller across messages): the sequences that
     sampled a stop id; they are not stepped again (the control plane, which ends a request on
-    the same ids, releases them with its next message)."""
+    the same ids, releases them with its next message). `hurried`, asked between the decode
+    steps of a message of several: True ends the message after the step just run (a Hurry
+    came: work waits in the control plane)."""
     t0 = time.perf_counter()
     ended = set() if ended is None else ended
     for sid in msg.release:
@@ -186,7 +194,7 @@ def _step(engine: EngineLike, msg: Step, ended: set[str] | None = None) -> StepR
                 ended.add(sid)
             elif n < msg.limits.get(sid, msg.steps):
                 going.append(sid)
-        if steps >= msg.steps:
+        if steps >= msg.steps or (hurried is not None and hurried()):
             break
         step_ids = going
     return StepResult(tokens=tokens, errors=errors, free_blocks=engine.free_blocks,
@@ -233,10 +241,46 @@ def _send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
 
-def _answer(engine: EngineLike, msg: Message, ended: set[str]) -> Message | None:
+class _Inbox:
+    """The frames from the control plane, in order. Between the decode steps of a message,
+    `hurried` takes what has arrived without blocking: a Hurry there ends the message; any
+    other frame (or the end of the socket) waits its turn in `next`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.early: deque[dict[str, Any] | BaseException] = deque()
+
+    def next(self) -> dict[str, Any]:
+        """The next frame (blocking); EOFError / ConnectionError: the control plane is gone."""
+        if not self.early:
+            return recv_frame(self.sock)
+        item = self.early.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def hurried(self) -> bool:
+        hurry = False
+        while not self.early or not isinstance(self.early[-1], BaseException):
+            if not select.select([self.sock], [], [], 0)[0]:
+                break
+            try:
+                frame = recv_frame(self.sock)
+            except (EOFError, ConnectionError, ValueError) as exc:
+                self.early.append(exc)  # raised in its turn: the message ends first
+                return True
+            if frame.get("op") == "hurry":
+                hurry = True
+            else:
+                self.early.append(frame)
+        return hurry
+
+
+def _answer(engine: EngineLike, msg: Message, ended: set[str],
+            hurried: Callable[[], bool] | None = None) -> Message | None:
     """The reply to one request (None: stop serving)."""
     if isinstance(msg, Step):
-        return _step(engine, msg, ended)
+        return _step(engine, msg, ended, hurried)
     if isinstance(msg, Embed):
         return _embed(engine, msg)
     if isinstance(msg, Snapshot):
@@ -288,9 +332,10 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
                       context=engine.context, free_blocks=engine.free_blocks,
                       engine=engine.describe(), batch_invariant=invariant))
     ended: set[str] = set()  # sequences that sampled a stop id, until released
+    inbox = _Inbox(sock)
     while True:
         try:
-            frame = recv_frame(sock)
+            frame = inbox.next()
         except (EOFError, ConnectionError):
             return 0
         try:
@@ -298,7 +343,9 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
         except ValueError as exc:
             _send(sock, ErrorReply(error=str(exc)))
             continue
-        reply = _answer(engine, msg, ended)
+        if isinstance(msg, Hurry):
+            continue  # it came after the message it was for ended: nothing to hurry
+        reply = _answer(engine, msg, ended, inbox.hurried)
         if reply is None:
             return 0
         _send(sock, reply)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sqlite3
 import threading
@@ -276,6 +277,8 @@ class ModelService:
         self._inflight_size = 0
         self._pending: dict[str, int] = {}  # sequences with tokens in that reply: at most how many
         self._decode_s: dict[int, float] = {}  # one decode step, smoothed, by batch size
+        self._long_out = False  # the last step message written runs several decode steps
+        self._hurried = False  # and the runner was asked to end it early
         self._load_progress: tuple[int, int] | None = None
         self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
         self.embeds = 0  # embedding requests using the runner now (embed())
@@ -463,6 +466,22 @@ class ModelService:
 
     def poke(self) -> None:
         self.wake.set()
+        if (self._long_out and not self._hurried and self.runner is not None
+                and self.scheduler.queued(self.name) > 0):
+            # a request waits: end the runner's message of several steps at the next step
+            # boundary rather than the end of its window (its reply frees slots, and the
+            # next message adds the request)
+            self._hurried = True
+            self.runner.hurry()
+
+    def _at_send(self, msg: Message) -> Message:
+        """A step message's last look before it is written (it was built while the one before
+        it ran): one decode step when requests wait now."""
+        if isinstance(msg, Step) and msg.steps > 1 and self.scheduler.queued(self.name) > 0:
+            msg = dataclasses.replace(msg, steps=1, limits={})
+        self._long_out = isinstance(msg, Step) and msg.steps > 1
+        self._hurried = False
+        return msg
 
     @property
     def active(self) -> dict[str, RequestRecord]:
@@ -658,7 +677,7 @@ class ModelService:
                    steps=steps, limits=limits)
         self.to_release = []
         prev, prev_size = self._inflight, self._inflight_size
-        self._inflight = asyncio.ensure_future(self.runner.call(msg))
+        self._inflight = asyncio.ensure_future(self.runner.call(msg, self._at_send))
         self._inflight_size = len(adds) + len(step_ids)
         self._pending = {a.id: 1 for a in adds}
         self._pending.update((jid, min(steps, room[jid])) for jid in step_ids)
@@ -684,7 +703,8 @@ class ModelService:
         the control plane's work per message (the journal's commit, the runner round trip,
         the wake-ups) is paid once per window, not once per token. One when sequences are
         added (their first tokens go out at once), when one asks for logprobs, or when
-        requests wait for a slot."""
+        requests wait for a slot (one that comes later shortens the message: `poke`,
+        `_at_send`)."""
         window = self.runtime.step_window_ms / 1000
         if window <= 0 or adds or not step_ids:
             return 1
@@ -710,7 +730,7 @@ class ModelService:
         self.free_blocks = reply.free_blocks
         ntok = len(reply.tokens) + sum(len(t) for t in reply.then.values())
         self.metrics.observe_step(self.name, size, ntok, reply.step_s, reply.steps)
-        if not reply.cached and size and reply.steps:  # no prefill in it: decode steps only
+        if not reply.cached and not reply.errors and size and reply.steps:  # decode only
             per = reply.step_s / reply.steps
             d = self._decode_s.get(size)
             self._decode_s[size] = per if d is None else 0.7 * d + 0.3 * per

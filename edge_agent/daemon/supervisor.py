@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from edge_agent.daemon.ipc import (
     Failed,
+    Hurry,
     Message,
     Progress,
     Ready,
@@ -192,11 +193,16 @@ class RunnerHandle:
     async def _next_reply(self) -> Message | _Gone:
         return await self._replies.get()
 
-    async def call(self, msg: Message) -> Message:
-        """Send one request and return its reply; RunnerGone if the runner dies meanwhile."""
+    async def call(self, msg: Message, at_send: Callable[[Message], Message] | None = None
+                   ) -> Message:
+        """Send one request and return its reply; RunnerGone if the runner dies meanwhile.
+        `at_send` may change the message when its turn to be written comes (a call waits for
+        the one before it to be answered)."""
         async with self._lock:
             if self.gone.is_set() or self._writer is None:
                 raise RunnerGone(f"model {self.name!r}: runner is not running")
+            if at_send is not None:
+                msg = at_send(msg)
             try:
                 self._writer.write(encode_frame(encode(msg)))
                 await self._writer.drain()
@@ -209,6 +215,15 @@ class RunnerHandle:
                     f"model {self.name!r}: runner (pid {self.pid}) died mid-step"
                 )
             return reply
+
+    def hurry(self) -> None:
+        """Ask the runner to end the step message it runs after its current decode step (a
+        `hurry` frame: no reply; one that arrives between messages is dropped)."""
+        w = self._writer
+        if w is None or self.gone.is_set() or w.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            w.write(encode_frame(encode(Hurry())))  # whole frames: never inside another
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
