@@ -10,6 +10,7 @@ the model file, at the memory budget, or at the cgroup after evicting an idle pe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,43 @@ def test_the_step_window_counts_steps_by_the_batch_measured(tmp_path: Path) -> N
     svc.runtime = RuntimeConfig(engine="numpy", step_window_ms=0)
     recs[0].wants_logprobs = False
     assert svc._steps([], one) == 1
+
+
+def test_a_message_written_after_a_request_came_takes_it_in(tmp_path: Path) -> None:
+    """`_at_send`: a step message is built while the one before it runs and written when that
+    one is answered; a request that came in between joins it then (one step sooner), within
+    the room the batch and the runner's held sequences leave; with none to add it still drops
+    to one step while requests wait; a message that is not the last built takes nobody."""
+    from edge_agent.daemon.ipc import Step
+
+    w = make_world(tmp_path / "m.gguf")
+    svc = w.svc
+    svc.lifecycle.start_load(0.0)
+    svc.lifecycle.start_warmup(0.0)
+    svc.lifecycle.ready(0.0, busy=True)
+    submit(w, "r0")
+    (job,) = w.sched.take("m", 2, 0.0)
+    svc._held["r0"] = None  # running in the runner
+    built = Step(step=("r0",), steps=4)
+    svc._built, svc._inflight_size, svc._pending = 7, 1, {"r0": 4}
+
+    assert svc._at_send(built, built=7) == built  # nobody came: as built
+    assert svc._long_out and not svc._hurried
+
+    submit(w, "r1")
+    submit(w, "r2")  # max_batch 2: one of the two fits
+    assert svc._at_send(built, built=6) == dataclasses.replace(built, steps=1, limits={})
+    assert w.sched.queued("m") == 2  # an older message takes nobody
+
+    sent = svc._at_send(built, built=7)
+    assert isinstance(sent, Step) and sent.steps == 1 and sent.step == ("r0",)
+    assert [a.id for a in sent.add] == ["r1"] and sent.add[0].prompt == (1, 2, 3)
+    assert list(svc._held) == ["r0", "r1"] and list(svc.active) == ["r0", "r1"]
+    assert svc._inflight_size == 2 and svc._pending == {"r0": 4, "r1": 1}
+    assert w.sched.queued("m") == 1 and not svc._long_out
+
+    svc.to_release.append("r0")  # ended, not yet released: its sequence still counts
+    w.table.finish("r0", Outcome.failed("cancelled", "gone"), 1.0)
+    del svc._held["r0"]
+    assert svc._at_send(built, built=7) == dataclasses.replace(built, steps=1, limits={})
+    assert w.sched.queued("m") == 1

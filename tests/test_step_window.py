@@ -251,8 +251,9 @@ def test_a_request_that_comes_mid_window_starts_within_a_few_steps(
         daemons: dict[str, Daemon]) -> None:
     """A long stream runs messages of MAX_STEPS steps; a request that arrives as one begins
     gets its first token within a few of that stream's tokens: the runner ends the message at
-    its next step (hurry), the one already built runs one step (`_at_send`), the next adds it.
-    Without either, the stream gets at least MAX_STEPS more tokens first."""
+    its next step (hurry), and the one already built takes the request in when it is written
+    and runs one step (`_at_send`). Without either, the stream gets at least MAX_STEPS more
+    tokens first."""
     d = daemons["wide"]
     d.wait_quiet()
     seen = [0]  # the long stream's chunks so far

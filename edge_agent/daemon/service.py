@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import sqlite3
 import threading
@@ -279,6 +280,7 @@ class ModelService:
         self._decode_s: dict[int, float] = {}  # one decode step, smoothed, by batch size
         self._long_out = False  # the last step message written runs several decode steps
         self._hurried = False  # and the runner was asked to end it early
+        self._built = 0  # step messages built (a message's late adds need it to be the last)
         self._load_progress: tuple[int, int] | None = None
         self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
         self.embeds = 0  # embedding requests using the runner now (embed())
@@ -474,14 +476,52 @@ class ModelService:
             self._hurried = True
             self.runner.hurry()
 
-    def _at_send(self, msg: Message) -> Message:
-        """A step message's last look before it is written (it was built while the one before
-        it ran): one decode step when requests wait now."""
-        if isinstance(msg, Step) and msg.steps > 1 and self.scheduler.queued(self.name) > 0:
+    def _adds(self, new: list[Any]) -> list[AddSeq]:
+        """The runner's adds for jobs just taken (-> running): held, journaled as started."""
+        adds = []
+        for job in new:
+            rec = self.requests.get(job.id)
+            assert rec is not None, job.id  # in the table before its job could be taken
+            rec.restart()
+            self._held[job.id] = None
+            adds.append(AddSeq(id=job.id, prompt=tuple(job.prompt_ids), params=job.params,
+                               generated=tuple(rec.tokens)))  # resume by prefill
+        self.journal.started([a.id for a in adds])
+        return adds
+
+    def _at_send(self, msg: Message, built: int = 0) -> Message:
+        """A step message's last look before it is written: it was built while the message
+        before it ran, so requests that came meanwhile join it now (they start one step
+        sooner, as they would on llama-server), and it runs one decode step when requests
+        still wait."""
+        if not isinstance(msg, Step):
+            return msg
+        late = self._late_adds() if built == self._built else []
+        if late:
+            msg = dataclasses.replace(msg, add=msg.add + tuple(late), steps=1, limits={})
+            self._inflight_size += len(late)
+            self._pending.update((a.id, 1) for a in late)
+        elif msg.steps > 1 and self.scheduler.queued(self.name) > 0:
             msg = dataclasses.replace(msg, steps=1, limits={})
-        self._long_out = isinstance(msg, Step) and msg.steps > 1
+        self._long_out = msg.steps > 1
         self._hurried = False
         return msg
+
+    def _late_adds(self) -> list[AddSeq]:
+        """Jobs to add to the message about to be written (see `_at_send`): as many as the
+        batch and the runner's sequences have room for, counting every sequence the runner
+        may still hold then (the replies not taken in yet may end some: they are counted)."""
+        if (self.scheduler.queued(self.name) == 0 or self.host.stopping
+                or not self.journal.writable or not self.lifecycle.can_serve):
+            return []
+        now = time.monotonic()
+        held = len(self._held) + len(self.to_release)
+        free = min(self.memory.batch_limit(self.max_batch) - len(self.active),
+                   self.max_batch - held)
+        new = self.scheduler.take(self.name, free, now) if free > 0 else []
+        if new:
+            self.lifecycle.use(now)
+        return self._adds(new)
 
     @property
     def active(self) -> dict[str, RequestRecord]:
@@ -658,15 +698,7 @@ class ModelService:
         so the control plane's work on a reply (detokenize, stop strings, journal, streams)
         runs while the runner computes instead of between its steps."""
         assert self.runner is not None
-        adds = []
-        for job in new:
-            rec = self.requests.get(job.id)
-            assert rec is not None, job.id  # in the table before its job could be taken
-            rec.restart()
-            self._held[job.id] = None
-            adds.append(AddSeq(id=job.id, prompt=tuple(job.prompt_ids), params=job.params,
-                               generated=tuple(rec.tokens)))  # resume by prefill
-        self.journal.started([a.id for a in adds])
+        adds = self._adds(new)
         added = {a.id for a in adds}
         room = {jid: self._room(jid, rec) for jid, rec in self.active.items()
                 if jid not in added}
@@ -677,7 +709,9 @@ class ModelService:
                    steps=steps, limits=limits)
         self.to_release = []
         prev, prev_size = self._inflight, self._inflight_size
-        self._inflight = asyncio.ensure_future(self.runner.call(msg, self._at_send))
+        self._built += 1
+        self._inflight = asyncio.ensure_future(self.runner.call(
+            msg, functools.partial(self._at_send, built=self._built)))
         self._inflight_size = len(adds) + len(step_ids)
         self._pending = {a.id: 1 for a in adds}
         self._pending.update((jid, min(steps, room[jid])) for jid in step_ids)
