@@ -124,6 +124,12 @@ def test_a_runner_answers_a_malformed_request_and_keeps_serving(model_path: Path
         assert isinstance(reply, ErrorReply) and "step.add" in reply.error
         send_frame(parent, encode(Ping()))
         assert isinstance(decode(recv_frame(parent)), Pong)
+        # hurry frames have no reply, well formed or not: one answered here would be taken for
+        # the reply to the next request
+        for hurry in ({"op": "hurry"}, {"op": "hurry", "steps": 3}, {"op": "hurry", "x": [1]}):
+            send_frame(parent, hurry)
+        send_frame(parent, encode(Ping()))
+        assert isinstance(decode(recv_frame(parent)), Pong)
         send_frame(parent, encode(Step(add=(AddSeq(id="x", prompt=(1, 2, 3),
                                                    params={"max_tokens": 2}),))))
         result = decode(recv_frame(parent))

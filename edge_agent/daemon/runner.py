@@ -60,7 +60,6 @@ from edge_agent.daemon.ipc import (
     ErrorReply,
     Failed,
     FrameTooLarge,
-    Hurry,
     Message,
     Ping,
     Pong,
@@ -338,13 +337,13 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
             frame = inbox.next()
         except (EOFError, ConnectionError):
             return 0
+        if frame.get("op") == "hurry":  # as in `_Inbox.hurried`: never answered, even when
+            continue  # malformed; it came after its message ended: nothing to hurry
         try:
             msg = decode(frame)
         except ValueError as exc:
             _send(sock, ErrorReply(error=str(exc)))
             continue
-        if isinstance(msg, Hurry):
-            continue  # it came after the message it was for ended: nothing to hurry
         reply = _answer(engine, msg, ended, inbox.hurried)
         if reply is None:
             return 0
