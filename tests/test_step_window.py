@@ -7,7 +7,8 @@ socket ends a message after its step in progress. End to end, two daemons on lla
 with a 1000 ms window and one with none, answer the same requests (temperature 0, a seed, a
 stop string, logprobs, two requests batched) with the same text, and the first answers far
 fewer runner messages than it samples tokens; a request that arrives while a long message runs
-gets its first token within a few of the running stream's tokens, not after two windows.
+gets its first token within a few of the running stream's tokens, not after two windows (on
+llama.cpp and on a numpy daemon with the same window).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
+from journal_harness import link_prepared
 
 from edge_agent.client import UnixHTTPConnection
 from edge_agent.daemon.ipc import AddSeq, Hurry, Ping, Step, StepResult, encode, send_frame
@@ -165,13 +167,23 @@ def daemons() -> Iterator[dict[str, Daemon]]:
         yield {"wide": wide, "none": none}
 
 
-def launch_windowed(window_ms: float) -> Any:
+@pytest.fixture(scope="module")
+def numpy_wide(prepared_state_dir: Path) -> Iterator[Daemon]:
+    """The numpy engine's daemon with the same 1000 ms window (its prepared weights linked)."""
+    with launch_windowed(1000, engine="numpy", prepared=prepared_state_dir) as d:
+        yield d
+
+
+def launch_windowed(window_ms: float, *, engine: str = "llamacpp",
+                    prepared: Path | None = None) -> Any:
     root = Path(tempfile.mkdtemp(prefix="ea-", dir="/tmp"))
+    if prepared is not None:
+        link_prepared(prepared, root / "state")
     cfg = root / "config.toml"
     cfg.write_text(
         f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
         "[scheduler]\nmax_batch_size = 4\n"
-        f'[runtime]\nengine = "llamacpp"\nthreads = 1\nstep_window_ms = {window_ms}\n'
+        f'[runtime]\nengine = "{engine}"\nthreads = 1\nstep_window_ms = {window_ms}\n'
         "[models.smollm2]\ncontext = 512\nmax_batch = 4\npreload = true\n")
     return launch(Daemon, root, serve_argv(cfg))
 
@@ -247,14 +259,17 @@ def test_batched_requests_under_a_wide_window_end_where_they_would_alone(
     daemons["wide"].wait_quiet()  # every sequence released: no KV block stays taken
 
 
+@pytest.mark.parametrize("engine", ["llamacpp", "numpy"])
 def test_a_request_that_comes_mid_window_starts_within_a_few_steps(
-        daemons: dict[str, Daemon]) -> None:
+        engine: str, request: pytest.FixtureRequest) -> None:
     """A long stream runs messages of MAX_STEPS steps; a request that arrives as one begins
     gets its first token within a few of that stream's tokens: the runner ends the message at
     its next step (hurry), and the one already built takes the request in when it is written
     and runs one step (`_at_send`). Without either, the stream gets at least MAX_STEPS more
-    tokens first."""
-    d = daemons["wide"]
+    tokens first. On both engines: the window, the hurry and the late adds are the control
+    plane's and the runner's, the same over either."""
+    d: Daemon = (request.getfixturevalue("daemons")["wide"] if engine == "llamacpp"
+                 else request.getfixturevalue("numpy_wide"))
     d.wait_quiet()
     seen = [0]  # the long stream's chunks so far
     at_submit = [0]
