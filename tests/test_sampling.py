@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -12,6 +16,7 @@ from edge_agent.runtime.sampling import (
     rng_for,
     sample,
     sample_rows,
+    uniform_for,
 )
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], dtype=np.float32))  # softmax = these
@@ -39,6 +44,35 @@ def test_random_numbers_are_pinned_to_seed_and_position():
     assert rng_for(0, 0).random() == pytest.approx(0.011546754286331562, abs=0)
     assert rng_for(7, 3).random() == pytest.approx(0.4821286018761155, abs=0)
     assert rng_for(2**64 - 1, 2**40).random() != rng_for(2**64 - 1, 2**40 + 1).random()
+
+
+def test_the_draw_without_numpy_is_numpys_philox_bit_for_bit() -> None:
+    rnd = random.Random(5)
+    keys = [(0, 0), (7, 3), (2**64 - 1, 0), (0, 2**64 - 1), (2**64 - 1, 2**64 - 1),
+            (2**63, 2**63 - 1)]
+    keys += [(rnd.getrandbits(64), rnd.getrandbits(rnd.choice((4, 16, 32, 64))))
+             for _ in range(3000)]
+    assert [uniform_for(s, p) for s, p in keys] == [rng_for(s, p).random() for s, p in keys]
+    for bad in ((-1, 0), (0, -1), (2**64, 0), (0, 2**64)):
+        with pytest.raises(ValueError, match=r"Philox key .*0\.\.2\*\*64-1"):
+            uniform_for(*bad)
+
+
+def test_a_sampled_token_does_not_import_numpy_random() -> None:
+    code = """
+import sys
+import numpy as np
+from edge_agent.runtime.sampling import SamplingParams, sample_rows
+rows = (np.arange(1500, dtype=np.float32).reshape(3, 500) % 17) / 3
+p = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, min_p=0.01, seed=3)
+print(sample_rows(rows, [p, p, SamplingParams()], [0, 1, 0]), "numpy.random" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    rows = (np.arange(1500, dtype=np.float32).reshape(3, 500) % 17) / 3
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, min_p=0.01, seed=3)
+    assert out.split() == [*str(sample_rows(rows, [p, p, SamplingParams()], [0, 1, 0])).split(),
+                           "False"]
 
 
 def test_temperature_one_follows_the_softmax():
