@@ -240,6 +240,12 @@ def _send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
 
+def _is_hurry(frame: dict[str, Any]) -> bool:
+    """A hurry frame, well formed or not: it is never answered (the control plane waits for no
+    reply to one; an ErrorReply would be taken for the reply to its next request)."""
+    return frame.get("op") == "hurry"
+
+
 class _Inbox:
     """The frames from the control plane, in order. Between the decode steps of a message,
     `hurried` takes what has arrived without blocking: a Hurry there ends the message; any
@@ -268,7 +274,7 @@ class _Inbox:
             except (EOFError, ConnectionError, ValueError) as exc:
                 self.early.append(exc)  # raised in its turn: the message ends first
                 return True
-            if frame.get("op") == "hurry":
+            if _is_hurry(frame):
                 hurry = True
             else:
                 self.early.append(frame)
@@ -337,8 +343,8 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
             frame = inbox.next()
         except (EOFError, ConnectionError):
             return 0
-        if frame.get("op") == "hurry":  # as in `_Inbox.hurried`: never answered, even when
-            continue  # malformed; it came after its message ended: nothing to hurry
+        if _is_hurry(frame):
+            continue  # it came after the message it was for ended: nothing to hurry
         try:
             msg = decode(frame)
         except ValueError as exc:
