@@ -1,7 +1,8 @@
 """The runner protocol's typed messages (daemon/ipc.py): every message survives encode ->
 JSON frame -> decode unchanged, and a malformed frame is a ValueError naming the op and the
 field, never a half-built message; a real runner answers a malformed request with an
-ErrorReply and keeps serving."""
+ErrorReply and keeps serving, skips any hurry frame unanswered, and exits 2 on a frame that is
+no JSON object (it may have been a hurry: no reply can be safely given)."""
 
 from __future__ import annotations
 
@@ -102,16 +103,17 @@ def test_every_op_has_a_message_and_back() -> None:
     assert ops == set(ipc._OPS)
 
 
-def test_a_runner_answers_a_malformed_request_and_keeps_serving(model_path: Path,
-                                                               tmp_path: Path) -> None:
+def _runner(model_path: Path, state_dir: Path, **popen: Any
+            ) -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    """A real llama.cpp runner of the default model on a socketpair, once it is ready."""
     pytest.importorskip("llama_cpp")
     parent, child = socket.socketpair()
     proc = subprocess.Popen(
         [sys.executable, "-m", "edge_agent.daemon.runner", "--fd", str(child.fileno()),
-         "--name", "smollm2", "--model", str(model_path), "--state-dir", str(tmp_path),
+         "--name", "smollm2", "--model", str(model_path), "--state-dir", str(state_dir),
          "--engine", "llamacpp", "--mlock", "off", "--context", "64", "--max-batch", "2",
          "--threads", "1"],
-        pass_fds=(child.fileno(),))
+        pass_fds=(child.fileno(),), **popen)
     child.close()
     try:
         while True:  # status, progress ... ready
@@ -119,6 +121,18 @@ def test_a_runner_answers_a_malformed_request_and_keeps_serving(model_path: Path
             if not isinstance(first, (Status, Progress)):
                 break
         assert isinstance(first, Ready), first
+    except BaseException:
+        parent.close()
+        proc.kill()
+        proc.wait()
+        raise
+    return parent, proc
+
+
+def test_a_runner_answers_a_malformed_request_and_keeps_serving(model_path: Path,
+                                                               tmp_path: Path) -> None:
+    parent, proc = _runner(model_path, tmp_path)
+    try:
         send_frame(parent, {"op": "step", "add": "nonsense"})
         reply = decode(recv_frame(parent))
         assert isinstance(reply, ErrorReply) and "step.add" in reply.error
@@ -136,6 +150,36 @@ def test_a_runner_answers_a_malformed_request_and_keeps_serving(model_path: Path
         assert isinstance(result, StepResult) and set(result.tokens) == {"x"}
         send_frame(parent, encode(Shutdown()))
         assert proc.wait(timeout=60) == 0
+    finally:
+        parent.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("when", ["between messages", "mid-message"])
+def test_a_runner_exits_on_a_frame_that_is_no_json_object(model_path: Path, tmp_path: Path,
+                                                          when: str) -> None:
+    """Such a frame may have been a hurry, which has no reply: answering it could shift every
+    later reply by one, so the runner answers nothing, says why and exits 2 (the daemon
+    restarts it). Mid-message, the message ends at its next step and its reply comes first."""
+    errors = tmp_path / "stderr"
+    with errors.open("wb") as fh:
+        parent, proc = _runner(model_path, tmp_path, stderr=fh)
+    try:
+        if when == "mid-message":
+            send_frame(parent, encode(Step(add=(AddSeq(id="x", prompt=(1, 2, 3),
+                                                       params={"max_tokens": 200}),))))
+            assert isinstance(decode(recv_frame(parent)), StepResult)
+            send_frame(parent, encode(Step(step=("x",), steps=150)))
+        parent.sendall(ipc._LEN.pack(5) + b"[1,2]")
+        if when == "mid-message":
+            result = decode(recv_frame(parent))
+            assert isinstance(result, StepResult) and 1 <= result.steps < 150, result
+        assert proc.wait(timeout=60) == 2
+        err = errors.read_text()
+        assert "unreadable (frame holds a JSON list, expected an object)" in err, err
+        assert "restarts this runner" in err
     finally:
         parent.close()
         if proc.poll() is None:

@@ -338,5 +338,51 @@ def test_a_message_written_after_a_request_came_takes_it_in(tmp_path: Path) -> N
     svc.to_release.append("r0")  # ended, not yet released: its sequence still counts
     w.table.finish("r0", Outcome.failed("cancelled", "gone"), 1.0)
     del svc._held["r0"]
-    assert svc._at_send(built, built=7) == dataclasses.replace(built, steps=1, limits={})
+    # r0 ended meanwhile: not stepped (released with the next message); r2 still finds no room
+    assert svc._at_send(built, built=7) == dataclasses.replace(built, step=(), steps=1,
+                                                                limits={})
     assert w.sched.queued("m") == 1
+    assert svc._inflight_size == 1 and "r0" not in svc._pending
+
+
+def test_a_sequence_that_ends_here_is_not_stepped_on(tmp_path: Path) -> None:
+    """A request that ends in the control plane while the runner would go on stepping it
+    (cancelled, expired, cut at a stop string) hurries the message of several steps that runs
+    it and is left out of the message written next; one that ended at a stop id or its length
+    (the runner stops those by itself) hurries nothing."""
+    from edge_agent.daemon.ipc import Step
+
+    class Runner:
+        hurries = 0
+
+        def hurry(self) -> None:
+            self.hurries += 1
+
+    w = make_world(tmp_path / "m.gguf")
+    svc = w.svc
+    runner = Runner()
+    svc.runner = runner  # type: ignore[assignment]
+    recs = {jid: submit(w, jid) for jid in ("a", "b", "c")}
+    w.sched.take("m", 3, 0.0)
+    svc._held.update(dict.fromkeys(recs))
+    built = Step(step=("a", "b", "c"), steps=8, limits={"b": 3})
+    svc._built, svc._inflight_size, svc._pending = 3, 3, {"a": 8, "b": 3, "c": 8}
+    assert svc._at_send(built, built=3) == built and svc._long_out
+    svc.poke()
+    assert runner.hurries == 0  # nothing waits, nothing ended
+
+    recs["a"].ended = "length"  # the runner stops it at its limit by itself
+    w.table.finish("a", Outcome.done("length"), 1.0)
+    svc.poke()
+    assert runner.hurries == 0
+    w.table.finish("b", Outcome.cancel("cancelled by the client"), 1.0)
+    svc.poke()
+    svc.poke()
+    assert runner.hurries == 1 and svc._hurried  # once per message
+
+    sent = svc._at_send(built, built=3)  # the next message, built before the cancel
+    assert sent == dataclasses.replace(built, step=("c",), limits={})
+    assert svc._long_out and not svc._hurried and svc._out_ids == ("c",)
+    assert svc._inflight_size == 1 and svc._pending == {"c": 8}
+    svc.poke()
+    assert runner.hurries == 1  # what it steps has not ended

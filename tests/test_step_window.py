@@ -7,8 +7,9 @@ socket ends a message after its step in progress. End to end, two daemons on lla
 with a 1000 ms window and one with none, answer the same requests (temperature 0, a seed, a
 stop string, logprobs, two requests batched) with the same text, and the first answers far
 fewer runner messages than it samples tokens; a request that arrives while a long message runs
-gets its first token within a few of the running stream's tokens, not after two windows (on
-llama.cpp and on a numpy daemon with the same window).
+gets its first token within a few of the running stream's tokens, not after two windows, and
+a stream whose client hangs up mid-window is sampled about one token past the hang-up, not two
+more windows (on llama.cpp and on a numpy daemon with the same window).
 """
 
 from __future__ import annotations
@@ -232,11 +233,21 @@ def test_a_wide_window_gives_the_same_streams_in_fewer_runner_messages(
             assert messages >= tokens - 3, (messages, tokens)  # one step, one token each
 
     # a stop string in the middle of the greedy text: cut there on both, the runner's extra
-    # steps past it are dropped
+    # steps past it are dropped; the wide daemon's runner is hurried out of the message that
+    # was running when the control plane saw the stop
     stop = text[len(text) // 2:len(text) // 2 + 4]
-    cut = {kind: _streamed(d, {**greedy, "stop": [stop]}) for kind, d in daemons.items()}
+    cut, sampled = {}, {}
+    for kind, d in daemons.items():
+        d.wait_quiet()
+        before_cut = _metric(d, "edge_agent_tokens_generated_total")
+        cut[kind] = _streamed(d, {**greedy, "stop": [stop]})
+        d.wait_quiet()
+        sampled[kind] = _metric(d, "edge_agent_tokens_generated_total") - before_cut
     assert cut["wide"] == cut["none"]
     assert cut["wide"][1] == "stop" and cut["wide"][0] == text[:text.index(stop)]
+    # (the wide daemon's own message that held the stop string ran to its end: up to
+    # MAX_STEPS - 1 tokens past it; the one written behind it ends after one step)
+    assert sampled["none"] < 48 and sampled["wide"] <= sampled["none"] + MAX_STEPS, sampled
 
 
 def test_batched_requests_under_a_wide_window_end_where_they_would_alone(
@@ -310,3 +321,33 @@ def test_a_request_that_comes_mid_window_starts_within_a_few_steps(
     t.join(120)
     assert seen[0] >= at_first + 4, seen  # the long stream was still going
     assert at_first - at_submit[0] < MAX_STEPS - 4, (at_submit, at_first)
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "numpy"])
+def test_a_stream_cancelled_mid_window_is_not_stepped_on(
+        engine: str, request: pytest.FixtureRequest) -> None:
+    """A lone stream whose client hangs up while a message of MAX_STEPS steps runs: the
+    control plane hurries that message (nothing waits, but its tokens would be dropped) and
+    leaves the sequence out of the message already built behind it, so the runner samples a
+    few tokens past the hang-up, not the rest of that window and all of the next one."""
+    d: Daemon = (request.getfixturevalue("daemons")["wide"] if engine == "llamacpp"
+                 else request.getfixturevalue("numpy_wide"))
+    d.wait_quiet()
+    before = _metric(d, "edge_agent_tokens_generated_total")
+    conn = UnixHTTPConnection(str(d.sock), timeout=120)
+    seen = 0
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        while seen < 24 and (data := resp.read1(1 << 16)):  # a message's burst at a time
+            seen += data.count(b"data: {")
+    finally:
+        conn.close()  # right after a burst: the next message of the window has just begun
+    assert 24 <= seen < 200, seen
+    d.wait_quiet()
+    sampled = _metric(d, "edge_agent_tokens_generated_total") - before
+    assert sampled < 200, sampled
+    assert sampled - seen < MAX_STEPS // 2, (seen, sampled)

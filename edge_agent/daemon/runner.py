@@ -31,6 +31,10 @@ Invariants owned here:
 - Load failures are reported as `Failed` (ipc.py) and the process exits 1; the
   control plane also notices a silent death by EOF on the socketpair.
 - EOF from the control plane (it exited) ends the runner: no orphan keeps weights pinned.
+- A whole frame that is not a JSON object cannot be told apart from a hurry (which has no
+  reply), so it is answered by nothing: the runner says so on stderr and exits 2 (after the
+  message in progress, which it ends at its next step); the control plane restarts it and
+  its requests resume by prefill. A JSON object that is no valid message gets an ErrorReply.
 - `--fd N --prestarted` (daemon/prestart.py) imports the llama.cpp engine first, then reads the
   rest of its command line as one `{"argv": [...]}` frame; EOF before it: exit 0, nothing loaded;
   a frame that is no such object (not JSON, over MAX_FRAME, wrong fields): exit 1, saying so.
@@ -240,6 +244,9 @@ def _send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
 
+PROTOCOL_ERROR = 2  # exit status: a frame that is not a JSON object came in
+
+
 def _is_hurry(frame: dict[str, Any]) -> bool:
     """A hurry frame, well formed or not: it is never answered (the control plane waits for no
     reply to one; an ErrorReply would be taken for the reply to its next request)."""
@@ -343,6 +350,11 @@ def _serve(sock: socket.socket, args: argparse.Namespace) -> int:
             frame = inbox.next()
         except (EOFError, ConnectionError):
             return 0
+        except ValueError as exc:  # its length prefix was whole; its body is no JSON object
+            print(f"edge-agent runner: a frame from the control plane is unreadable ({exc}); "
+                  "it may have been a hurry, which has no reply, so none is sent. Exiting: "
+                  "the daemon restarts this runner and its requests resume.", file=sys.stderr)
+            return PROTOCOL_ERROR
         if _is_hurry(frame):
             continue  # it came after the message it was for ended: nothing to hurry
         try:

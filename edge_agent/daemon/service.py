@@ -280,6 +280,7 @@ class ModelService:
         self._decode_s: dict[int, float] = {}  # one decode step, smoothed, by batch size
         self._long_out = False  # the last step message written runs several decode steps
         self._hurried = False  # and the runner was asked to end it early
+        self._out_ids: tuple[str, ...] = ()  # the sequences that message steps
         self._built = 0  # step messages built (a message's late adds need it to be the last)
         self._load_progress: tuple[int, int] | None = None
         self.facts: Any = None  # the GGUF's ModelFacts (llamacpp engine), read with the budget
@@ -468,13 +469,35 @@ class ModelService:
 
     def poke(self) -> None:
         self.wake.set()
+        self._maybe_hurry()
+
+    def _maybe_hurry(self) -> None:
+        """End the runner's message of several steps at its next step boundary rather than at
+        the end of its window when a request waits (the reply frees slots; the next message
+        adds the request) or when one of its sequences ended here while the runner would go
+        on stepping it (`_cut_here`: those tokens would be dropped)."""
         if (self._long_out and not self._hurried and self.runner is not None
-                and self.scheduler.queued(self.name) > 0):
-            # a request waits: end the runner's message of several steps at the next step
-            # boundary rather than the end of its window (its reply frees slots, and the
-            # next message adds the request)
+                and (self.scheduler.queued(self.name) > 0
+                     or any(self._cut_here(jid) for jid in self._out_ids))):
             self._hurried = True
             self.runner.hurry()
+
+    def _cut_here(self, jid: str) -> bool:
+        """Whether `jid`'s request ended here while the runner would go on stepping it:
+        cancelled, expired, shed, failed, or cut at a stop string. (The runner stops by itself
+        at a stop id and at the message's limit: no hurry for those.)"""
+        rec = self.requests.get(jid)
+        if rec is None:
+            return True
+        return rec.done.is_set() and (rec.ended is None or rec.stops.stopped)
+
+    def _ended(self, jid: str) -> bool:
+        """Whether the sequence `jid` has nothing more to generate: its request ended (for
+        any reason) or its sequence was released."""
+        if jid not in self._held:
+            return True
+        rec = self.requests.get(jid)
+        return rec is None or rec.done.is_set()
 
     def _adds(self, new: list[Any]) -> list[AddSeq]:
         """The runner's adds for jobs just taken (-> running): held, journaled as started."""
@@ -492,11 +515,24 @@ class ModelService:
     def _at_send(self, msg: Message, built: int = 0) -> Message:
         """A step message's last look before it is written: it was built while the message
         before it ran, so requests that came meanwhile join it now (they start one step
-        sooner, as they would on llama-server), and it runs one decode step when requests
-        still wait."""
+        sooner, as they would on llama-server), it runs one decode step when requests still
+        wait, and sequences whose requests ended meanwhile are not stepped (the next message
+        releases them)."""
         if not isinstance(msg, Step):
             return msg
-        late = self._late_adds() if built == self._built else []
+        last = built == self._built  # else a newer message is built: its counts are set
+        ended = [jid for jid in msg.step if self._ended(jid)] if last else []
+        if ended:
+            # ended while this message waited (cancelled, expired, a stop string in the reply
+            # just read): not stepped; the runner keeps its sequence until the next release
+            step = tuple(jid for jid in msg.step if jid not in ended)
+            msg = dataclasses.replace(
+                msg, step=step, steps=msg.steps if step else 1,
+                limits={jid: n for jid, n in msg.limits.items() if jid not in ended})
+            self._inflight_size -= len(ended)
+            for jid in ended:
+                self._pending.pop(jid, None)
+        late = self._late_adds() if last else []
         if late:
             msg = dataclasses.replace(msg, add=msg.add + tuple(late), steps=1, limits={})
             self._inflight_size += len(late)
@@ -504,6 +540,7 @@ class ModelService:
         elif msg.steps > 1 and self.scheduler.queued(self.name) > 0:
             msg = dataclasses.replace(msg, steps=1, limits={})
         self._long_out = msg.steps > 1
+        self._out_ids = msg.step
         self._hurried = False
         return msg
 
@@ -778,6 +815,7 @@ class ModelService:
             if rec is not None:
                 self.requests.finish(jid, Outcome.failed("runner_error", message), now)
         logprobs = reply.logprobs
+        cut = False  # a request ended at a stop string (the runner does not know)
         for jid, token in reply.tokens.items():
             rec = self._held_record(jid)
             if rec is None:
@@ -795,6 +833,9 @@ class ModelService:
             if finished:
                 self._release(jid)
                 self.requests.finish(jid, Outcome.done(rec.ended or "stop"), now)
+                cut = cut or rec.stops.stopped
+        if cut:  # the message written meanwhile may step it on: end that message early
+            self._maybe_hurry()
 
     def _held_record(self, jid: str) -> RequestRecord | None:
         """The request of a sequence the runner holds (None: released, or not this model's)."""
