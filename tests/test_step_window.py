@@ -208,6 +208,17 @@ def _streamed(d: Daemon, body: dict[str, Any]) -> tuple[str, str | None, Any]:
     return text, chunks[-1]["choices"][0]["finish_reason"], lps
 
 
+def _open_stream(d: Daemon, max_tokens: int) -> tuple[UnixHTTPConnection, Any]:
+    """A greedy completion stream of PROMPT, its response open for reading."""
+    conn = UnixHTTPConnection(str(d.sock), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
 def test_a_wide_window_gives_the_same_streams_in_fewer_runner_messages(
         daemons: dict[str, Daemon]) -> None:
     greedy = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0}
@@ -287,13 +298,8 @@ def test_a_request_that_comes_mid_window_starts_within_a_few_steps(
     burst = threading.Event()
 
     def long_stream() -> None:
-        conn = UnixHTTPConnection(str(d.sock), timeout=120)
+        conn, resp = _open_stream(d, 120)
         try:
-            conn.request("POST", "/v1/completions", json.dumps(
-                {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "stream": True}),
-                {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200
             while data := resp.read1(1 << 16):  # what one wake-up brings: a message's burst
                 seen[0] += data.count(b"data: {")
                 if seen[0] >= 24 and not burst.is_set():
@@ -334,14 +340,9 @@ def test_a_stream_cancelled_mid_window_is_not_stepped_on(
                  else request.getfixturevalue("numpy_wide"))
     d.wait_quiet()
     before = _metric(d, "edge_agent_tokens_generated_total")
-    conn = UnixHTTPConnection(str(d.sock), timeout=120)
+    conn, resp = _open_stream(d, 200)
     seen = 0
     try:
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}),
-            {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
         while seen < 24 and (data := resp.read1(1 << 16)):  # a message's burst at a time
             seen += data.count(b"data: {")
     finally:
