@@ -53,7 +53,7 @@ run: venv
 	        $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock; \
 	fi
 
-demo: model
+demo: venv
 	$(VENV)/bin/edge-agent --state-dir $(STATE) generate --local --chat --max-tokens 48 \
 	    "Explain in two sentences why a board should pin model weights in RAM."
 

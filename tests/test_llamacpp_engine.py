@@ -98,6 +98,22 @@ def test_weights_pinned_vmlck_covers_them(engine: LlamaCppEngine) -> None:
     assert report["locked_bytes"] >= report["weight_bytes"]
 
 
+def test_lock_summary_times_llamacpps_load_not_a_populate_of_its_own(
+        engine: LlamaCppEngine) -> None:
+    """llama.cpp maps the GGUF with MAP_POPULATE inside its model load: the report gives that
+    load's time, and the summary `generate --local` prints names it instead of a populate of
+    0 ms (the numpy engine's populate keeps its own line)."""
+    from edge_agent.runtime.memlock import lock_summary
+
+    report = engine.lock_report()
+    assert report is not None and report["populate_s"] is None
+    assert report["model_load_s"] > 0
+    line = lock_summary(report)
+    assert f"llama.cpp load {report['model_load_s'] * 1e3:.1f} ms" in line
+    assert "populate" not in line
+    assert "populate 12.0 ms" in lock_summary(dict(report, populate_s=0.012))
+
+
 def test_repacked_weights_are_locked_too(tmp_path: Path) -> None:
     """A Q4_0 file: llama.cpp repacks its matrices into anonymous memory for its CPU kernels;
     a lock of the file alone would leave those copies pageable. Both are locked. The engine

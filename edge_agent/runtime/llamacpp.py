@@ -309,6 +309,7 @@ class LlamaCppEngine:
         mparams.load_mode = 1  # LLAMA_LOAD_MODE_MMAP: the page cache holds the file once
         before = set(_regions())
         model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model_load_s = time.monotonic() - t0  # llama.cpp maps with MAP_POPULATE here
         real = os.path.realpath(self.path)
         # the weights: the GGUF's mapping, and anonymous memory the load created (repacked or
         # copied tensors); mapped before the context exists, so KV cache and compute buffers
@@ -402,7 +403,10 @@ class LlamaCppEngine:
         env = memlock.memlock_env()
         report: dict[str, Any] = {"policy": self.mlock_policy, "locked": False,
                                   "weight_bytes": weight_bytes, "locked_bytes": 0,
-                                  "vmlck_bytes": None, "error": None, "populate_s": 0.0,
+                                  "vmlck_bytes": None, "error": None,
+                                  # llama.cpp populates the mapping inside its model load
+                                  # (MAP_POPULATE, then repacking): no time of its own
+                                  "populate_s": None, "model_load_s": self._model_load_s,
                                   "lock_s": 0.0, "regions": len(self._weight_regions),
                                   "anonymous_bytes": self._anon_bytes,
                                   **env.as_dict()}

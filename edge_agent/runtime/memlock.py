@@ -146,9 +146,13 @@ def lock_summary(report: dict[str, Any]) -> str:
         state = "not locked (mlock policy off)"
     else:
         state = "NOT LOCKED"
+    if report.get("populate_s") is None and report.get("model_load_s") is not None:
+        # llama.cpp's load maps the GGUF with MAP_POPULATE: the populate has no time of its own
+        load = f"llama.cpp load {float(report['model_load_s']) * 1e3:.1f} ms"
+    else:
+        load = f"populate {float(report.get('populate_s') or 0) * 1e3:.1f} ms"
     return (f"weights {mb(int(report.get('weight_bytes') or 0))}: {state}, VmLck {vm}; "
-            f"populate {float(report.get('populate_s') or 0) * 1e3:.1f} ms, "
-            f"mlock {float(report.get('lock_s') or 0) * 1e3:.1f} ms")
+            f"{load}, mlock {float(report.get('lock_s') or 0) * 1e3:.1f} ms")
 
 
 def format_bytes(n: int) -> str:
