@@ -34,8 +34,10 @@ request: llama-server's grows with the prompts it keeps in its RAM cache, `--cac
 time to READY. The
 daemon's /metrics step histogram gives its mean step time and batch size per level; llama-server
 reports its own per-token time (`timings.predicted_per_token_ms`), which under full concurrency
-is its step time. SmolLM2 also gets one run of the daemon on the numpy engine (its default
-threads), against the median llama-server figures.
+is its step time. The daemon's control plane's CPU per token produced (/proc/PID/stat, user +
+system, over the level's round, the clients' token-count lookups included) says what the Python
+side costs beside llama.cpp's threads. SmolLM2 also gets one run of the daemon on the numpy
+engine (its default threads), against the median llama-server figures.
 
     .venv/bin/python bench/serve.py [--runs 3] [--models smollm2,gemma3] [--threads N] [--json]
                                     [--decode alone] [--journal-sync normal]
@@ -377,6 +379,12 @@ def run_llama_server(root: Path, binary: Path, gguf: Path, threads: int) -> Iter
                 proc.wait(10)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(servers: dict[str, Server], levels: list[int], order: list[str],
             tokens: int, quiet: tuple[float, float] = (-1.0, 0.0)
             ) -> dict[str, dict[str, Any]]:
@@ -394,7 +402,11 @@ def measure(servers: dict[str, Server], levels: list[int], order: list[str],
             server = servers[kind]
             busy = wait_quiet(*quiet)
             before = server.metrics()
+            cpu0 = cpu_seconds(server.pid)
             r = round_(server.port, c, tokens)
+            if isinstance(server, DaemonServer):  # its control plane (the runner is a child)
+                r["control_cpu_ms_per_token"] = 1e3 * (cpu_seconds(server.pid) - cpu0) / max(
+                    1, r["tokens"])
             r["others_busy_cores"] = busy
             r["loadavg"] = os.getloadavg()[0]
             after = server.metrics()
@@ -439,6 +451,9 @@ def summarize(model: str, runs: list[dict[str, dict[str, Any]]], levels: list[in
             row["daemon_step_ms"] = statistics.median(x["step_ms"] for x in d)
             row["daemon_mean_batch"] = statistics.median(x["mean_batch"] for x in d)
             row["daemon_steps"] = statistics.median(x["steps"] for x in d)
+        if all("control_cpu_ms_per_token" in x for x in d):
+            row["daemon_control_cpu_ms"] = statistics.median(
+                x["control_cpu_ms_per_token"] for x in d)
         if all("server_per_token_ms" in x for x in ls):
             row["llama_per_token_ms"] = statistics.median(x["server_per_token_ms"] for x in ls)
         if numpy is not None:
@@ -479,16 +494,18 @@ def fmt_spread(s: dict[str, Any], digits: int = 2) -> str:
 def print_table(results: list[dict[str, Any]], runs: int) -> None:
     print(f"| model | C | daemon tok/s | llama-server tok/s | ratio, median (min-max of {runs}) "
           "| TTFT p95 daemon / llama-server s | daemon step ms (mean batch) "
-          "| llama-server ms/token |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| llama-server ms/token | control plane CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for res in results:
         for r in res["rows"]:
             step = (f"{r['daemon_step_ms']:.1f} ({r['daemon_mean_batch']:.1f})"
                     if "daemon_step_ms" in r else "")
             lpt = f"{r['llama_per_token_ms']:.1f}" if "llama_per_token_ms" in r else ""
+            cp = f"{r['daemon_control_cpu_ms']:.2f}" if "daemon_control_cpu_ms" in r else ""
             print(f"| {r['model']} | {r['concurrency']} | {r['daemon_tok_s']:.1f} | "
                   f"{r['llama_tok_s']:.1f} | **{fmt_spread(r['ratio'])}** | "
-                  f"{r['daemon_ttft_p95']:.3f} / {r['llama_ttft_p95']:.3f} | {step} | {lpt} |")
+                  f"{r['daemon_ttft_p95']:.3f} / {r['llama_ttft_p95']:.3f} | {step} | {lpt} "
+                  f"| {cp} |")
     print()
     print("| model | PSS daemon / llama-server MiB | ratio | PSS before the first request MiB "
           "| ratio | READY daemon / llama-server s | ratio |")
