@@ -32,12 +32,14 @@ class DaemonError(EdgeAgentError):
     """The daemon answered with an error (or something that is not its API)."""
 
     def __init__(self, code: str, message: str, status: int | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
         self.retry_after = retry_after
+        self.details = dict(details or {})  # what else the error says (a flash job's id)
 
 
 class DaemonUnavailable(DaemonError, ConnectionError):

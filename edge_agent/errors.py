@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "UPLOADED_ELF",
     "EdgeAgentError",
     "ConfigError",
     "UsageError",
@@ -209,6 +210,11 @@ class EmbeddingFailed(ServiceError):
     def __init__(self, message: str, *, name: str) -> None:
         super().__init__(message)
         self.name = name
+
+
+# what a flash job's error says for the ELF the daemon flashed: its own copy's path in the state
+# directory means nothing to the client, which puts back the file name it sent
+UPLOADED_ELF = "the uploaded ELF"
 
 
 class PortNotOwned(ServiceError):

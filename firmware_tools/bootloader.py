@@ -60,10 +60,20 @@ def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 
 
     _register_sim()
     try:
+        # exclusive: a tty held by another program (the daemon's UART console, another
+        # flasher) is refused here instead of two talkers corrupting each other's bytes
         return serial.serial_for_url(
-            url, baudrate=baud, parity=parity, bytesize=8, stopbits=1, timeout=timeout
+            url, baudrate=baud, parity=parity, bytesize=8, stopbits=1, timeout=timeout,
+            exclusive=True,
         )
     except (serial.SerialException, ValueError, OSError) as exc:
+        if "exclusively lock" in str(exc):
+            raise LinkError(
+                f"serial port {url!r} is held by another program (it has the port's exclusive "
+                "lock). Hint: find it with `fuser -v` on the port; if it is the edge-agent "
+                "daemon (serial.port or flash.ports), run the flash without --local so the "
+                "daemon does it, or stop the daemon first."
+            ) from exc
         raise LinkError(
             f"opening serial port {url!r} at {baud} baud 8{parity}1 failed: {exc}. "
             "Hint: check the port name (`ls /dev/serial/by-id/`), that no other program holds "

@@ -270,13 +270,36 @@ def flash_elf(
             _verify(bl, job.check, index, steps)
             journal.mark(index, "verified")
             done += size
-        # 4. Sectors an interrupted run finished: read back once.
+        # 4. Sectors an interrupted run finished: read back once. One that no longer holds the
+        #    image (written to since, by another tool or a program) is erased and written
+        #    again now, not failed on every --resume.
+        changed: list[SectorJob] = []
         for job in jobs:
             if job.sector.index in result.resumed:
-                _verify(bl, job.check, job.sector.index,
-                        _Steps(result, False, job.check, None, done, 0, total))
+                try:
+                    _verify(bl, job.check, job.sector.index,
+                            _Steps(result, False, job.check, None, done, 0, total))
+                except VerifyError:
+                    changed.append(job)
+                    continue
                 done += job.size
                 report(done, total, "verify")
+        if changed:
+            indexes = [job.sector.index for job in changed]
+            report(done, total, "erase")
+            bl.erase(indexes, erase_code)
+            result.erased.extend(indexes)
+            result.resumed = [i for i in result.resumed if i not in indexes]
+            journal.mark_many(indexes, "erased")
+            for job in changed:
+                half = job.size // 2
+                bl.write_blocks(job.write, _Steps(result, True, job.write, progress, done, half,
+                                                  total))
+                _verify(bl, job.check, job.sector.index,
+                        _Steps(result, False, job.check, progress, done + half,
+                               job.size - half, total))
+                journal.mark(job.sector.index, "verified")
+                done += job.size
         if go:
             bl.go(image.base)
             result.went = True
@@ -376,8 +399,13 @@ def read_flash(
     length: int | None = None,
     progress: Progress | None = None,
     parity: str | None = None,
+    notes: list[str] | None = None,
 ) -> int:
-    """Dump [address, address+length) (default: the whole flash) to `out_path`; returns bytes."""
+    """Dump [address, address+length) (default: the whole flash) to `out_path`; returns bytes.
+
+    The output file is opened (as `out_path`.tmp) before the board is: a path that cannot be
+    written fails at once, not after minutes of reading. `notes` gets what the connection
+    changed (8N1 on a pty)."""
     start = profile.flash_start if address is None else address
     size = (profile.flash_end - start) if length is None else length
     if size <= 0:
@@ -385,24 +413,39 @@ def read_flash(
             f"read of {size} bytes at 0x{start:08X}: nothing to read. "
             "Hint: pass a positive --length or an address inside flash."
         )
-    bl = _connect(profile, port_url, baud, parity, [])
-    buf = bytearray()
-    try:
-        while len(buf) < size:
-            n = min(BLOCK, size - len(buf))
-            buf += bl.read_memory(start + len(buf), n)
-            if progress:
-                progress(len(buf), size, "read")
-    finally:
-        if isinstance(port_url, str):
-            bl.close()
-        else:
-            bl.release()  # the caller's port: give it back as it was opened
     out = Path(out_path)
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    if out.is_dir():
+        raise FlashError(f"dump file {str(out)!r} is a directory. Hint: name a file in it, "
+                         f"e.g. --out {str(out / 'flash.bin')!r}.")
+    try:
+        fh = open(tmp, "wb")  # noqa: SIM115  # closed below on every path
+    except OSError as exc:
+        raise FlashError(f"dump file {str(out)!r} cannot be written: {exc.strerror} "
+                         f"({str(tmp)!r}). Hint: name a file in an existing directory you may "
+                         "write.") from exc
+    done = False
+    try:
+        bl = _connect(profile, port_url, baud, parity, notes if notes is not None else [])
+        buf = bytearray()
+        try:
+            while len(buf) < size:
+                n = min(BLOCK, size - len(buf))
+                buf += bl.read_memory(start + len(buf), n)
+                if progress:
+                    progress(len(buf), size, "read")
+        finally:
+            if isinstance(port_url, str):
+                bl.close()
+            else:
+                bl.release()  # the caller's port: give it back as it was opened
         fh.write(buf)
         fh.flush()
         os.fsync(fh.fileno())
+        done = True
+    finally:
+        fh.close()
+        if not done:
+            tmp.unlink(missing_ok=True)
     os.replace(tmp, out)
     return len(buf)

@@ -157,6 +157,24 @@ def test_port_not_owned_is_flashed_directly(daemon: FlashDaemon,
     assert "daemon_job" not in json.loads(r.stdout)
 
 
+def test_the_daemons_board_under_another_string_is_refused_not_flashed_beside_it(
+        daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -> None:
+    # the owned board with another option: flashing it here would talk to the bootloader
+    # while the daemon may; the CLI names the daemon's string and flashes nothing
+    before = (daemon.root / "owned.bin").read_bytes() if (daemon.root / "owned.bin").exists() \
+        else None
+    port = daemon.owned + "&baud=57600"
+    r = daemon.cli("flash", str(fw.elf("good")), "--board", "stm32f405", "--port", port,
+                   "--socket", str(daemon.sock), "--json")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert json.loads(r.stdout)["error"]["code"] == "port_owned_as_other_string"
+    assert f"--port {port!r} names the board the daemon" in r.stderr, r.stderr
+    assert f"Hint: pass --port {daemon.owned!r} exactly" in r.stderr and "--local" in r.stderr
+    after = (daemon.root / "owned.bin").read_bytes() if (daemon.root / "owned.bin").exists() \
+        else None
+    assert after == before
+
+
 def test_failed_job_in_the_daemon_is_exit_1_with_its_reason(
         daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -> None:
     # an owned board with readout protection on: Read Memory is NACKed, the job fails
@@ -187,12 +205,28 @@ def test_bad_flash_requests(daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -
         assert text in r["error"]["message"] and "Hint:" in r["error"]["message"], r
     status, r = daemon.json("GET", "/v1/flash/flash-999")
     assert status == 404 and r["error"]["code"] == "flash_job_not_found"
-    # an ELF the checks reject fails the job with the checker's reason
+    # arrays nested 100 000 deep: the decoder's recursion limit is a 400, not a daemon bug
+    deep = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, _, data = daemon.call("POST", "/v1/flash", raw=deep)
+    assert status == 400 and b"nested" in data and b"Hint:" in data, data
+    # an ELF the checks reject fails the job with the checker's reason, naming the ELF as the
+    # one uploaded (the daemon's own copy's path means nothing to the client)
     bad = base64.b64encode(fw.elf("no_at").read_bytes()).decode()
     status, job = daemon.json("POST", "/v1/flash", {**good, "elf_base64": bad})
     assert status == 202
     job = daemon.wait_job(job)
     assert job["state"] == "failed" and "outside stm32f405 flash" in job["error"]["message"]
+    assert job["error"]["message"].startswith("the uploaded ELF"), job["error"]
+    assert "uploads" not in job["error"]["message"]
+    # through the CLI: the file the user named, the checker's own hint, and --json's error
+    elf = fw.elf("no_at")
+    r2 = daemon.cli("flash", str(elf), "--board", "stm32f405", "--port", daemon.owned,
+                    "--socket", str(daemon.sock), "--json")
+    assert r2.returncode == 1, r2.stderr
+    assert f"failed in the daemon: {elf}" in r2.stderr and "--resume" not in r2.stderr
+    doc = json.loads(r2.stdout)
+    assert doc["ok"] is False and doc["error"]["daemon_job"].startswith("flash-")
+    assert doc["error"]["code"] == job["error"]["code"] and str(elf) in doc["error"]["message"]
 
 
 # -- the request names nothing on the daemon's side: bytes, a profile name, an owned port ------
@@ -323,7 +357,7 @@ def test_errors_never_show_the_bytes_of_the_file(daemon: FlashDaemon) -> None:
 @pytest.fixture(scope="module")
 def small_daemon() -> Iterator[FlashDaemon]:
     """A daemon started over uploads a killed one left behind, with a body limit (8 KiB)
-    smaller than the test ELF in base64."""
+    smaller than the test ELF in base64: POST /v1/flash has its own."""
     root = Path(tempfile.mkdtemp(prefix="ea-fl2-", dir="/tmp"))
     uploads = root / "state" / "flash" / "uploads"
     uploads.mkdir(parents=True)
@@ -343,17 +377,32 @@ def test_stale_uploads_are_removed_at_start(small_daemon: FlashDaemon) -> None:
     assert small_daemon.uploads.is_dir() and small_daemon.uploaded() == []
 
 
-def test_cli_sends_the_elf_bytes_never_its_path(small_daemon: FlashDaemon,
-                                               fw: firmware.FirmwareBuilder) -> None:
+def test_a_whole_elf_is_taken_whatever_server_max_body_bytes_says(
+        small_daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -> None:
+    from edge_agent.daemon.flashing import FLASH_JSON_BYTES, upload_limit
+
     d = small_daemon
     elf = fw.elf("good")
     assert len(base64.b64encode(elf.read_bytes())) > 8 * 1024
+    # the route's own limit: the largest ELF base64-encoded, and the JSON around it
+    status, info = d.json("GET", "/v1/flash/ports")
+    limit = info["max_body_bytes"]
+    assert limit == 4 * -(-upload_limit()[0] // 3) + FLASH_JSON_BYTES
     r = d.cli("flash", str(elf), "--board", "stm32f405", "--port", d.owned,
-              "--socket", str(d.sock))
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "max_body_bytes" in r.stderr and "Hint:" in r.stderr, r.stderr
-    assert "handed to it" not in r.stderr
-    assert not (d.root / "owned.bin").exists()  # nothing flashed, by the daemon or directly
+              "--socket", str(d.sock), "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "handed to it" in r.stderr and json.loads(r.stdout)["daemon_job"]
+    image = fw.objcopy_bin("good").read_bytes()
+    assert (d.root / "owned.bin").read_bytes()[:len(image)] == image
+    # every other route keeps server.max_body_bytes, and says which key raises it
+    status, _, data = d.call("POST", "/v1/completions", {"prompt": "x" * 9000})
+    assert status == 413
+    assert "limit of 8192 bytes" in data.decode() and "server.max_body_bytes" in data.decode()
+    # and /v1/flash refuses past its own, without naming a key that would not help
+    status, _, data = d.call("POST", "/v1/flash", {"elf_base64": "A" * limit})
+    assert status == 413, data
+    assert f"limit of {limit} bytes" in data.decode()
+    assert "server.max_body_bytes" not in data.decode()
 
 
 def _q(text: str) -> str:

@@ -94,3 +94,29 @@ def test_flash_read(fw: firmware.FirmwareBuilder, tmp_path: Path,
                  "--address", "0x08000000", "--length", "1024"]) == 0
     assert f"read 1024 bytes to {out}" in capsys.readouterr().err
     assert out.read_bytes() == state.read_bytes()[:1024]
+
+
+@pytest.mark.parametrize("baud", ["0", "-5"])
+def test_a_baud_rate_that_cannot_be_is_a_usage_error(baud: str, fw: firmware.FirmwareBuilder,
+                                                     tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 used to mean "the profile's rate" without a word, -5 a port error naming the port
+    with pytest.raises(SystemExit) as exc:
+        flash(tmp_path, fw.elf(), "stm32sim://?chip=f405", "--baud", baud)
+    assert exc.value.code == 2
+    assert f"argument --baud: '{baud}': a baud rate is above 0" in capsys.readouterr().err
+
+
+def test_failures_with_json_print_one_json_document(fw: firmware.FirmwareBuilder,
+                                                    tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # a flash the board refuses, and a check whose profile cannot be loaded: {"ok": false, ...}
+    # on stdout, the message on stderr, exit 1 and 78 as without --json
+    assert flash(tmp_path, fw.elf(), "stm32sim://?chip=f103", "--json") == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["error"]["code"] == "ChipMismatchError"
+    assert "expects 0x413" in doc["error"]["message"] and doc["error"]["message"] in err
+    assert main(["flash", "check", str(fw.elf()), "--board", "nosuchboard", "--json"]) == 78
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and "nosuchboard" in doc["error"]["message"]

@@ -135,3 +135,39 @@ def test_a_job_pauses_the_uart_of_its_board_and_resumes_it_whatever_the_outcome(
     assert not any(svc.uploads.iterdir())  # uploads deleted whatever the outcome
     newest = svc.newest()
     assert newest is not None and newest["id"] == bad["id"] and newest["state"] == "failed"
+
+
+def test_a_job_outliving_the_stop_wait_ends_at_a_block_and_resumes(
+        tmp_path: Path, fw: firmware.FirmwareBuilder) -> None:
+    # a 9600-baud board: the flash takes seconds; the daemon's stop waits 0.3 s for it
+    slow = sim(tmp_path, "slow", "&baud=9600")
+    svc = service(tmp_path / "state", [slow])
+    elf = fw.elf("good").read_bytes()
+
+    async def stop_during_a_flash() -> tuple[dict, float, bool]:
+        job = svc.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf))
+        await asyncio.sleep(0.5)
+        t0 = asyncio.get_running_loop().time()
+        await svc.wait(0.3)
+        waited = asyncio.get_running_loop().time() - t0
+        return job.to_dict(), waited, bool(svc._tasks)
+
+    job, waited, still = asyncio.run(stop_during_a_flash())
+    # the worker ended at its next block, before the daemon goes on to close the journal
+    assert not still and waited < 5.0, waited
+    assert job["state"] == "failed", job
+    message = job["error"]["message"]
+    assert "the daemon stopped before the flash finished" in message
+    assert "Hint: flash again with --resume" in message
+    # the next start resumes it: the sectors verified before the stop are not written again
+    svc2 = service(tmp_path / "state", [slow])
+
+    async def resume() -> dict:
+        job = svc2.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf, resume=True))
+        await svc2.wait(120.0)
+        return job.to_dict()
+
+    done = asyncio.run(resume())
+    assert done["state"] == "done", done
+    image = fw.objcopy_bin("good").read_bytes()
+    assert (tmp_path / "slow.bin").read_bytes()[:len(image)] == image

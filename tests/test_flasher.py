@@ -9,6 +9,7 @@ import firmware
 import pytest
 
 from firmware_tools.bootloader import ChipMismatchError, LinkError, ReadoutProtectedError
+from firmware_tools.errors import FirmwareError
 from firmware_tools.flasher import (
     FlashError,
     VerifyError,
@@ -98,6 +99,26 @@ def test_link_drop_then_resume_finishes(fw: firmware.FirmwareBuilder, tmp_path: 
     assert not journals[0].exists()
 
 
+def test_resume_rewrites_a_verified_sector_that_changed_since(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    # interrupted, then sector 0 (verified by the interrupted run) is written over by
+    # something else: --resume used to fail its read-back on every run ("the flash cell is
+    # worn"); it now erases and writes that sector again and finishes
+    big = fw.elf("big")
+    state, st = tmp_path / "flash.bin", tmp_path / "st"
+    with pytest.raises(LinkError):
+        flash_elf(big, F405, sim(state, "drop_after=400000"), state_dir=st, go=False)
+    flash = bytearray(state.read_bytes())
+    flash[0x100:0x110] = bytes(16)  # flash bits only go 1 -> 0 without an erase
+    state.write_bytes(bytes(flash))
+    result = flash_elf(big, F405, sim(state), state_dir=st, resume=True)
+    image = fw.objcopy_bin("big").read_bytes()
+    assert state.read_bytes()[: len(image)] == image
+    assert 0 not in result.resumed and result.resumed == [1, 2, 3, 4, 5]
+    assert result.erased == [0]
+    assert not list((st / "flash").glob("*.json"))  # finished: no progress file left
+
+
 def test_resume_elsewhere_finishes_by_reading_before_erase(
     fw: firmware.FirmwareBuilder, tmp_path: Path
 ) -> None:
@@ -165,6 +186,27 @@ def test_read_flash(fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
     assert seen == [256, 512, 768, 1000]
     with pytest.raises(FlashError, match=r"read of 0 bytes at 0x08000000.*Hint:"):
         read_flash(F405, sim(state), out, length=0)
+
+
+def test_read_flash_refuses_a_dump_path_it_cannot_write_before_reading(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    state = tmp_path / "f.bin"
+    flash_elf(fw.elf(), F405, sim(state))
+    reads: list[int] = []
+    # the board is never asked: a read of the whole flash at 115200 baud takes minutes
+    for out, text in [(tmp_path, r"dump file '.*' is a directory\. Hint: name a file in it"),
+                      (tmp_path / "nowhere" / "d.bin", r"dump file '.*/nowhere/d\.bin' cannot "
+                       r"be written: No such file or directory .*Hint: name a file in an "
+                       r"existing directory")]:
+        with pytest.raises(FlashError, match=text):
+            read_flash(F405, sim(state), out, progress=lambda d, t, p: reads.append(d))
+    assert reads == []
+    assert not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
+    # a read that fails half way leaves neither the dump nor its temporary file
+    out = tmp_path / "dump.bin"
+    with pytest.raises(FirmwareError):
+        read_flash(F405, sim(state, "&drop_after=40"), out, length=4096)
+    assert not out.exists() and not (tmp_path / "dump.bin.tmp").exists()
 
 
 def test_port_identity_ignores_fault_knobs() -> None:

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from edge_agent.errors import UsageError
+from edge_agent.errors import UPLOADED_ELF, UsageError
 
 __all__ = ["register", "run"]
 
@@ -65,6 +65,15 @@ def _int(text: str) -> int:
         ) from None
 
 
+def _baud(text: str) -> int:
+    """--baud: a rate above 0 (0 used to mean the profile's rate, silently)."""
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a baud rate is above 0, e.g. 115200 "
+                                         "(leave --baud out for the board profile's)")
+    return value
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "flash",
@@ -79,7 +88,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     fl = parser.add_argument_group("flashing (edge-agent flash ELF)")
     fl.add_argument("--port", metavar="URL", help="serial port or pyserial URL")
-    fl.add_argument("--baud", type=_int, metavar="N", help="baud rate (default: board profile)")
+    fl.add_argument("--baud", type=_baud, metavar="N",
+                    help="baud rate (default: board profile)")
     fl.add_argument("--dry-run", action="store_true",
                     help="run the checks and the plan only; no port is opened")
     fl.add_argument("--resume", action="store_true", help="finish an interrupted flash job")
@@ -118,15 +128,33 @@ def _board_required(args: argparse.Namespace, form: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.target == "check":
-        return _run_check(args)
-    if args.target == "read":
-        return _run_read(args)
-    return _run_flash(args)
+    try:
+        if args.target == "check":
+            return _run_check(args)
+        if args.target == "read":
+            return _run_read(args)
+        return _run_flash(args)
+    except Exception as exc:
+        # --json: a failure is a JSON document too ({"ok": false, "error": ...}), so a script
+        # reads one shape; the message still goes to stderr and the exit code is unchanged
+        if getattr(args, "json", False) and not isinstance(exc, UsageError):
+            _print_json({"ok": False, "error": _error_doc(exc)})
+        raise
+
+
+def _error_doc(exc: BaseException) -> dict[str, Any]:
+    code = getattr(exc, "code", None)
+    doc: dict[str, Any] = {"code": code if isinstance(code, str) else type(exc).__name__,
+                           "message": str(exc)}
+    for key in ("rule", "segment"):  # which ELF check failed
+        if getattr(exc, key, None) is not None:
+            doc[key] = getattr(exc, key)
+    doc.update(getattr(exc, "details", None) or {})  # a daemon's: its job id
+    return doc
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from firmware_tools.image import ElfImageError, load_elf
+    from firmware_tools.image import load_elf
     from firmware_tools.plan import plan_flash
     from firmware_tools.profiles import load_profile
 
@@ -135,13 +163,7 @@ def _run_check(args: argparse.Namespace) -> int:
                          "--board NAME.")
     _reject(args, _FLASH_ONLY + _READ_ONLY, "check")
     profile = load_profile(_board_required(args, "check"))
-    try:
-        image = load_elf(args.elf, profile)
-    except ElfImageError as exc:
-        if args.json:
-            error = {"rule": exc.rule, "segment": exc.segment, "message": str(exc)}
-            _print_json({"ok": False, "board": profile.name, "error": error})
-        raise
+    image = load_elf(args.elf, profile)
     plan = plan_flash(image, profile)
     if args.json:
         for warning in image.warnings:
@@ -275,8 +297,6 @@ def _fits_daemon(args: argparse.Namespace, board: str, size: int, info: dict[str
             f"{args.port} takes board profile names only. Hint: install the profile in the "
             "daemon's board_profiles/ and pass its name, or flash from this process with "
             "--local.")
-    body = (size + 2) // 3 * 4 + len(args.port) + len(board) + 256  # base64 + the JSON
-    body_limit = int(info.get("max_body_bytes") or 0)
     elf_limit = int(info.get("max_elf_bytes") or 0)
     if elf_limit and size > elf_limit:
         raise DaemonError(
@@ -284,19 +304,11 @@ def _fits_daemon(args: argparse.Namespace, board: str, size: int, info: dict[str
             f"flash: {args.target} is {size} bytes, more than the {elf_limit} bytes the daemon "
             f"on {sock} takes for a firmware ELF. Hint: check that this is the firmware ELF; "
             "strip its debug sections (arm-none-eabi-strip -g) if it is.")
-    if body_limit and body > body_limit:
-        raise DaemonError(
-            "body_too_large",
-            f"flash: {args.target} is {size} bytes, about {body} bytes sent base64-encoded, "
-            f"more than the daemon on {sock} takes in a request (server.max_body_bytes = "
-            f"{body_limit}). Hint: raise server.max_body_bytes in the daemon's configuration "
-            f"to at least {body}, strip the ELF's debug sections (arm-none-eabi-strip -g), or "
-            "flash from this process with --local while the daemon does not hold the port.")
 
 
 def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
     """Hand the job to a running daemon that owns the port; None when it does not."""
-    from edge_agent.client import DaemonClient, DaemonError
+    from edge_agent.client import DaemonClient, DaemonError, DaemonUnavailable
 
     sock = _daemon_socket(args)
     if sock is None or not DaemonClient(sock, timeout=PROBE_TIMEOUT_S).available():
@@ -310,9 +322,15 @@ def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
         raise
     if not info.get("owned"):
         if info.get("same_board_as"):
-            print(f"edge-agent: note: the daemon on {sock} owns this board as "
-                  f"{info['same_board_as']!r}; --port with exactly that string hands the job "
-                  "to it", file=sys.stderr)
+            # flashing it from here would talk to the board at the same time as the daemon's
+            # console or flash job: two writers on one bootloader corrupt each other's image
+            raise DaemonError(
+                "port_owned_as_other_string",
+                f"flash: --port {args.port!r} names the board the daemon on {sock} owns as "
+                f"{info['same_board_as']!r}, with other options; flashing it from this process "
+                "could collide with the daemon's own use of it. Hint: pass --port "
+                f"{info['same_board_as']!r} exactly to hand the job to the daemon, or --local "
+                "to flash from here anyway (when the daemon is not using the board).")
         return None
     try:
         with open(args.target, "rb") as fh:
@@ -331,7 +349,16 @@ def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
     last = None
     while job["state"] not in ("done", "failed"):
         time.sleep(POLL_S)
-        job = client.flash_job(job["id"])
+        try:
+            job = client.flash_job(job["id"])
+        except DaemonUnavailable:
+            raise DaemonError(
+                "daemon_stopped",
+                f"flash job {job['id']} ({args.target} to {board} on {args.port}): the daemon "
+                f"on {sock} stopped while it ran; a job it could not finish in its stop time "
+                "ends at a block boundary. Hint: once the daemon is back, run the same command "
+                "with --resume: verified sectors are kept, and a finished job is not redone.",
+                details={"daemon_job": job["id"]}) from None
         prog = job.get("progress") or {}
         mark = (prog.get("done"), prog.get("total"), job.get("phase"))
         if mark != last and prog.get("total"):
@@ -339,11 +366,14 @@ def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
             bar(int(prog["done"]), int(prog["total"]), str(job.get("phase") or ""))
     if job["state"] == "failed":
         err = job.get("error") or {}
-        raise DaemonError(
-            "flash_failed",
-            f"flash job {job['id']} ({args.target} to {board} on {args.port}) failed in the "
-            f"daemon: {err.get('message', err)}. Hint: the message above says why; "
-            "`edge-agent flash --resume` continues an interrupted job.")
+        message = str(err.get("message", err)).replace(UPLOADED_ELF, args.target)
+        if "Hint:" not in message:
+            message += (f" Hint: GET /v1/flash/{job['id']} on the daemon shows the job, and "
+                        "its log the details.")
+        raise DaemonError(str(err.get("code") or "flash_failed"),
+                          f"flash job {job['id']} ({args.target} to {board} on {args.port}) "
+                          f"failed in the daemon: {message}",
+                          details={"daemon_job": job["id"]})
     job["result"]["elf"] = args.target  # the daemon flashed its copy of this file
     result = _result_from(job["result"])
     for warning in result.warnings:
@@ -379,6 +409,7 @@ def _run_read(args: argparse.Namespace) -> int:
     from firmware_tools.profiles import load_profile
 
     profile = load_profile(board)
+    notes: list[str] = []
     count = read_flash(
         profile,
         args.port,
@@ -387,6 +418,9 @@ def _run_read(args: argparse.Namespace) -> int:
         address=args.address,
         length=args.length,
         progress=_Progress(enabled=True),
+        notes=notes,
     )
+    for note in notes:
+        print(f"edge-agent: note: {note}", file=sys.stderr)
     print(f"edge-agent: read {count} bytes to {args.out}", file=sys.stderr)
     return 0

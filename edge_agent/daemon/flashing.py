@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from edge_agent.errors import (
+    UPLOADED_ELF,
     BoardProfileError,
     FlashBusy,
     FlashJobNotFound,
@@ -68,6 +70,8 @@ KEEP_FINISHED = 32
 _FIELDS = ("elf_base64", "board", "port", "baud", "dry_run", "resume", "go")
 ELF_MAGIC = b"\x7fELF"
 ELF_OVERHEAD = 1 << 20  # ELF headers, symbols and debug sections on top of the flash image
+FLASH_JSON_BYTES = 64 << 10  # a POST /v1/flash body's fields around its base64 ELF
+FLASH_STOP_S = 10.0  # at shutdown: a stopped job's worker ends within one block's round trip
 _BODY_SHAPE = '{"elf_base64": ..., "board": ..., "port": ...}'
 
 
@@ -111,6 +115,10 @@ def parse_flash_request(body: bytes, *, boards: Sequence[str],
     (pure). ApiError 400 names the field; 413 elf_too_large says the limit."""
     try:
         d = json.loads(body or b"null")
+    except RecursionError:  # arrays nested thousands deep: the decoder's stack, not a bug
+        raise ApiError(400, "invalid_request", "request body: JSON arrays/objects nested far "
+                       f"deeper than this request's fields need. Hint: send {_BODY_SHAPE}.") \
+            from None
     except ValueError as exc:
         raise ApiError(400, "malformed_json", f"request body is not JSON ({exc}). Hint: send "
                        f"{_BODY_SHAPE}.") from exc
@@ -234,6 +242,9 @@ class FlashService:
         self._busy: dict[str, str] = {}  # port identity -> job id
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._body_limit: int | None = None
+        # set at shutdown when a job outlives the wait: its worker ends at the next block
+        self._stop_flashing = threading.Event()
         self._remove_stale_uploads()
 
     @property
@@ -255,9 +266,18 @@ class FlashService:
         ident = port_identity(port)
         return next((p for p in self.owned_ports() if port_identity(p) == ident), None)
 
+    def body_limit(self) -> int:
+        """The largest POST /v1/flash body: an ELF of `upload_limit()` bytes base64-encoded,
+        plus room for the JSON around it; never below server.max_body_bytes. So a whole
+        flash image is taken with the default server.max_body_bytes (1 MiB)."""
+        if self._body_limit is None:
+            encoded = 4 * -(-upload_limit()[0] // 3)
+            self._body_limit = max(self.max_body_bytes, encoded + FLASH_JSON_BYTES)
+        return self._body_limit
+
     def ports_info(self, port: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"ports": self.owned_ports(),
-                               "max_body_bytes": self.max_body_bytes,
+                               "max_body_bytes": self.body_limit(),
                                "max_elf_bytes": upload_limit()[0]}
         if port is not None:
             out["port"] = port
@@ -380,9 +400,20 @@ class FlashService:
                      f"{self.uploads}")
 
     async def wait(self, timeout: float) -> None:
-        """Let running jobs finish (shutdown); a flash is not cut half-way if avoidable."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
+        """Let running jobs finish (shutdown); a flash is not cut half-way if avoidable. One
+        still running after `timeout` stops at its next block, and is waited for: its worker
+        thread is done before the journal closes, and the flasher's progress file says which
+        sectors are verified, so `--resume` finishes it."""
+        if not self._tasks:
+            return
+        running = ", ".join(j.id for j in self.jobs.values() if j.state in ("queued", "running"))
+        log.info(f"flash: waiting up to {timeout:.0f} s for flash job(s) {running} to finish")
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        if pending:
+            self._stop_flashing.set()
+            log.warning(f"flash: job(s) {running} still running as the daemon stops: stopped "
+                        "at the next block; flash again with --resume to finish them")
+            await asyncio.wait(pending, timeout=FLASH_STOP_S)
 
     def _prune(self) -> None:
         finished = [k for k, j in self.jobs.items() if j.state in ("done", "failed")]
@@ -392,6 +423,8 @@ class FlashService:
     # -- running a job -------------------------------------------------------------------------
     async def _run(self, job: FlashJobRecord, req: FlashRequest, profile: Any,
                    ident: str) -> None:
+        from firmware_tools.errors import FlashError
+
         loop = asyncio.get_running_loop()
         paused: Sequence[Any] = ()
         try:
@@ -402,6 +435,12 @@ class FlashService:
             state_dir = self.state_dir
 
             def progress(done: int, total: int, phase: str = "") -> None:
+                if self._stop_flashing.is_set():  # the daemon stops: end at this block
+                    raise FlashError(
+                        f"flash job {job.id}: the daemon stopped before the flash finished "
+                        f"({phase} {done} of {total} bytes). Hint: flash again with --resume "
+                        "(POST /v1/flash with \"resume\": true) once it is back: the "
+                        "verified sectors are kept.")
                 loop.call_soon_threadsafe(self._progress, job, done, total, phase)
 
             def sector(indexes: list[int], state: str) -> None:
@@ -415,7 +454,9 @@ class FlashService:
                 on_sector=sector)
         except Exception as exc:  # noqa: BLE001 - every failure is the job's answer
             job.state = "failed"
-            job.error = {"code": type(exc).__name__, "message": str(exc)}
+            # the daemon's copy of the ELF is gone with the job and means nothing to a client
+            job.error = {"code": type(exc).__name__,
+                         "message": str(exc).replace(job.elf, UPLOADED_ELF)}
             self._journal_end(job, profile, ok=False)
             log.error(f"flash {job.id}: {job.elf} to {job.board} on {job.port} failed: {exc}")
         else:
