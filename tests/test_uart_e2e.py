@@ -399,6 +399,10 @@ def test_port_disappears_and_comes_back(served: Served) -> None:
     served.socat.wait()
     time.sleep(1.0)
     assert served.proc.poll() is None
+    # /health says so (it was visible only on the port that is down)
+    _, h = served.json("GET", "/health")
+    link = next(p for p in h["serial"] if p["url"] == str(served.socat_link))
+    assert link["up"] is False and link["link_lost"] >= 1, h["serial"]
     served.socat = start_socat(served.socat_link, served.socat_peer)  # plugged back
     end = time.monotonic() + 20
     while True:
@@ -413,3 +417,5 @@ def test_port_disappears_and_comes_back(served: Served) -> None:
     assert "link lost" in log and "reopened" in log
     _, h = served.json("GET", "/health")
     assert h["status"] == "serving"
+    link = next(p for p in h["serial"] if p["url"] == str(served.socat_link))
+    assert link["up"] is True and link["reopens"] >= 1, h["serial"]

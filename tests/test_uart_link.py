@@ -283,6 +283,34 @@ def test_bad_url_or_setting_is_a_config_error() -> None:
     run(main)
 
 
+def test_line_settings_a_pty_refuses_are_a_config_error_not_a_traceback() -> None:
+    # This kernel's pty takes PARENB once (and drops it), then refuses it on the next open's
+    # tcsetattr with EINVAL: termios.error, which is not an OSError. A restart with
+    # serial.parity = "even" on a pty met that as a traceback.
+    async def main() -> None:
+        master, path = open_pty()
+        try:
+            LinkSettings(path, parity="even").open_port().close()
+            try:
+                LinkSettings(path, parity="even").open_port().close()
+            except SerialLinkError:
+                pass
+            else:
+                pytest.skip("this kernel's pty takes PARENB on every open")
+            link = SerialLink(LinkSettings(path, parity="even"), lambda b: None)
+            with pytest.raises(SerialLinkError) as e:
+                await link.start()
+            text = str(e.value)
+            assert f"serial port {path!r} refused the line settings 115200 baud 8E1" in text
+            assert "Invalid argument" in text and "Hint: set serial.parity" in text
+            assert e.value.exit_code == 78
+            await link.close()
+        finally:
+            os.close(master)
+
+    run(main)
+
+
 class TcpPort:
     """A socket:// peer that can vanish and come back on the same port."""
 
@@ -507,10 +535,18 @@ def test_noise_garbage_break_and_bursts_give_error_lines_and_the_console_carries
         peer.send(b"\x00")  # a break condition reads as a NUL byte
         await asyncio.sleep(0.35)
         assert b"error: a break or a NUL byte ignored" in await peer.expect(b"edge> ")
+        # a half-typed line before the break is gone with it: the new prompt starts empty
+        peer.send(b"ver")
+        await asyncio.sleep(0.05)
+        peer.send(b"\x00")
+        await asyncio.sleep(0.35)
+        assert b"error: a break or a NUL byte ignored" in await peer.expect(b"edge> ")
+        peer.send(b"sion\r")
+        assert b"error: unknown command 'sion'" in await peer.expect(b"edge> ")
         peer.send(b"version\r")
         assert b"edge-agent " in await peer.expect(b"edge> ")
         stats = t.stats()
-        assert stats["noise"] == 2 and stats["overlong"] == 1 and stats["abandoned"] == 1
+        assert stats["noise"] == 2 and stats["overlong"] == 1 and stats["abandoned"] == 2
         peer.close()
         await t.close()
         os.close(master)

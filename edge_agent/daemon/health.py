@@ -77,7 +77,8 @@ def cgroup_info(root: Path = Path("/sys/fs/cgroup")) -> dict[str, Any]:
 def health_body(*, status: str, started: float, services: Mapping[str, GaugedModel],
                 queue: dict[str, Any], cgroup: dict[str, Any], pressure: Any, socket: str,
                 journal: dict[str, Any], degraded: list[str],
-                context_notes: Mapping[str, str]) -> dict[str, Any]:
+                context_notes: Mapping[str, str],
+                serial: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """/health's body: `status` is loading / serving / stopping (degraded when serving with
     `degraded` reasons); `cgroup` is the memory guard's view, the process's own is added;
     `context_notes` say per model why its context was capped."""
@@ -92,6 +93,8 @@ def health_body(*, status: str, started: float, services: Mapping[str, GaugedMod
         "socket": socket,
         "journal": journal,
     }
+    if serial:  # the UART ports (serial.port): a link that is down is visible from here too
+        body["serial"] = serial
     body = health_times(body, started=started)  # points in time as ISO 8601
     body["degraded"] = degraded
     for name, note in context_notes.items():

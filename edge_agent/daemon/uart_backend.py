@@ -296,6 +296,12 @@ class Uarts:
             log.info(f"serial {url}: {'open' if t.link.up else 'not present yet, retrying'} "
                      f"({settings.baudrate} baud, {t.session.mode} mode)")
 
+    def health(self) -> list[dict[str, Any]]:
+        """/health's `serial`: each port's link, up or not, and how often it was lost."""
+        keep = ("url", "up", "link_lost", "reopens", "open_failures")
+        return [{k: s[k] for k in keep if k in s} for s in (t.link.stats()
+                                                           for t in self.transports)]
+
     async def close(self) -> None:
         transports, self.transports = self.transports, []
         for t in transports:

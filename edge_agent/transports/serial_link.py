@@ -85,7 +85,19 @@ class LinkSettings:
                 from exc
         with contextlib.suppress(AttributeError, ValueError):
             port.exclusive = self.exclusive
-        port.open()
+        try:
+            port.open()
+        except Exception as exc:
+            # the device refused the line settings (tcsetattr: EINVAL), e.g. 1.5 stop bits on
+            # a pseudo-terminal: termios.error, which is not an OSError
+            if termios is None or not isinstance(exc, termios.error):
+                raise
+            line = f"{self.bytesize}{PARITIES[self.parity]}{self.stopbits:g}"
+            raise SerialLinkError(
+                f"serial port {self.url!r} refused the line settings {self.baudrate} baud "
+                f"{line} (tcsetattr: {exc.args[-1] if exc.args else exc}). Hint: set "
+                "serial.parity, serial.stopbits and serial.baudrate to what the device supports "
+                "(a pseudo-terminal or simulator: parity \"none\", stopbits 1).") from exc
         return port
 
 
@@ -168,8 +180,14 @@ class SerialLink:
         assert self._loop is not None
         try:
             port = await self._loop.run_in_executor(None, self._opener)
-        except SerialLinkError:
-            raise
+        except SerialLinkError as exc:
+            if first:
+                raise
+            # a device plugged in again that refuses what the first one took: keep retrying
+            self.counters["open_failures"] += 1
+            if self.counters["open_failures"] % 20 == 1:
+                log.warning(f"serial {self.settings.url}: open failed: {exc}")
+            return False
         except (serial.SerialException, OSError) as exc:
             self.counters["open_failures"] += 1
             if first or self.counters["open_failures"] % 20 == 1:

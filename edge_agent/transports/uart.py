@@ -129,6 +129,9 @@ class UartSession:
             what = (f"{ev.size} bytes of an unfinished frame" if ev.size
                     else "a break or a NUL byte")
             self._out(f"\nerror: {what} ignored. Hint: check the baud rate and cabling.\n")
+            # a fresh prompt means a fresh line: what was typed before the noise is void, as
+            # after Ctrl-C (it is no longer on the screen)
+            self.editor.reset()
             self._prompt()
 
     def _arm_timer(self, now: float) -> None:
