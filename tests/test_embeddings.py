@@ -248,6 +248,7 @@ def test_dimensions_equal_to_the_model_is_accepted(client: Any) -> None:
     ({"input": "word " * 400}, "input", "input 0 is"),
     ({"input": [[1, 2], [3, 10**7]]}, "input[1][1]", "outside the vocabulary"),
     ({"input": ["ok", [1, 2]]}, "input[1]", "not a mix"),
+    ({"input": [1, "a"]}, "input[1]", 'expected a token id like input[0], got "a"'),
     ({"input": "x", "dimensions": 64}, "dimensions", "gives vectors of 576"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
 ])

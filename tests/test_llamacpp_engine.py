@@ -114,6 +114,49 @@ def test_lock_summary_times_llamacpps_load_not_a_populate_of_its_own(
     assert "populate 12.0 ms" in lock_summary(dict(report, populate_s=0.012))
 
 
+def test_ctrl_c_inside_llama_cpps_log_callback_is_raised_after_the_call(
+        tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from edge_agent.runtime.llama_vocab import llama_lib, recent_errors, sigint_after_call
+
+    lib = llama_lib()
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))  # llama.cpp logs its errors through our callback
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    ran_on = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_after_call():
+            os.kill(os.getpid(), signal.SIGINT)  # pending: delivered at the next bytecode
+            model = lib.llama_model_load_from_file(str(bad).encode(), params)
+            ran_on.append(bool(model))
+    assert ran_on == [False]  # the call ran to its end; the interrupt came after it
+    assert recent_errors()  # and the callback did run Python in between
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_the_model_load_stops_generate_with_130(gemma_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    # the signal lands while llama.cpp loads Gemma 3 (or just before or after): exit 130
+    # every time, never a completion printed after an ignored interrupt
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    for delay in (0.4, 0.6, 0.8):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_agent", "generate", "--model", str(gemma_path),
+             "--engine", "llamacpp", "--max-tokens", "200", "--mlock", "off", "Once upon a time"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (delay, out, err)
+        assert "Exception ignored" not in err, err
+
+
 def test_repacked_weights_are_locked_too(tmp_path: Path) -> None:
     """A Q4_0 file: llama.cpp repacks its matrices into anonymous memory for its CPU kernels;
     a lock of the file alone would leave those copies pageable. Both are locked. The engine
@@ -468,6 +511,38 @@ def test_numpy_tokenizer_tokenizes_as_llama_cpp(tokenizer: object, parse_special
                 assert ours == vocab.tokenize(text, add_bos=add_bos,
                                               parse_special=parse_special), text
     finally:
+        vocab.close()
+
+
+def test_detokenize_shows_control_tokens_as_llama_cpp_does(model: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """`detokenize` (POST /detokenize, `tokenize --decode`) renders control tokens as their text,
+    as llama.cpp's detokenize with special=True; `decode` (a completion's text) does not."""
+    from edge_agent.cli import main
+    from edge_agent.runtime.llama_vocab import LlamaVocab
+
+    vocab = LlamaVocab.load(model)
+    llm = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
+    try:
+        ids = vocab.tokenize("<start_of_turn>user\nHi<end_of_turn>\n<|im_start|>a<|im_end|>",
+                             add_bos=True, parse_special=True)
+        special = [i for i in ids if i in vocab.special_ids]
+        assert len(special) >= 2  # BOS and the model's own turn markers
+        want = llm.detokenize(ids, special=True).decode("utf-8", "replace")
+        assert vocab.detokenize(ids) == want
+        assert vocab.decode(ids) == llm.detokenize(ids, special=False).decode("utf-8", "replace")
+        assert vocab.decode(ids) != want
+        # the CLI, on any vocabulary type (Gemma 3's is SPM), both ways
+        assert main(["tokenize", "--model", str(model), "--engine", "llamacpp", "--decode",
+                     " ".join(map(str, ids))]) == 0
+        assert capsys.readouterr().out == want
+        text = "Hello  2024, héllo"
+        assert main(["tokenize", "--model", str(model), "--json", text]) == 0
+        assert json.loads(capsys.readouterr().out) == llm.tokenize(
+            text.encode(), add_bos=vocab.add_bos, special=False)
+    finally:
+        llm.close()
         vocab.close()
 
 

@@ -60,7 +60,7 @@ from edge_agent.daemon.outcome import Outcome
 from edge_agent.daemon.prestart import Prestarted
 from edge_agent.daemon.request_table import RequestTable
 from edge_agent.daemon.requests import RequestRecord
-from edge_agent.daemon.routes import Router
+from edge_agent.daemon.routes import Router, transport_error_body
 from edge_agent.daemon.sdnotify import Notifier, listen_fds, watchdog_interval
 from edge_agent.daemon.service import ModelService
 from edge_agent.daemon.sessions import Sessions
@@ -73,6 +73,7 @@ from edge_agent.errors import (
     InvalidRequest,
     JournalFailed,
     ModelFailed,
+    ModelFileError,
     ModelNotFound,
     RequestQueueFull,
     ShuttingDown,
@@ -80,6 +81,7 @@ from edge_agent.errors import (
 from edge_agent.journal import StateDirLock
 from edge_agent.protocol.api import GenerationRequest
 from edge_agent.protocol.embeddings import EmbeddingsRequest
+from edge_agent.runtime.chat import ChatMessageError
 from edge_agent.scheduler import Job, ModelState, QueueFull, Scheduler
 from edge_agent.transports.http import HttpServer
 
@@ -90,6 +92,7 @@ ANSWER_GRACE_S = 5.0  # after the drain: time for connections to deliver their f
 CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
 CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
 EARLY_SPAWN_WAIT_S = 2.0  # startup: longest wait for the early runners to be spawned
+FLASH_GRACE_S = 20.0  # shutdown: a running flash job's time beyond the drain
 
 log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
@@ -180,7 +183,13 @@ class Daemon:
         self._dead: dict[str, float] = {}  # core task -> when it is restarted (monotonic)
         self._deaths: dict[str, list[float]] = {}
         self.http = HttpServer(Router(self).handle, max_body_bytes=config.server.max_body_bytes,
-                               drain_timeout_s=config.server.drain_timeout_s)
+                               drain_timeout_s=config.server.drain_timeout_s,
+                               body_limit=self._body_limit, error_body=transport_error_body)
+
+    def _body_limit(self, method: str, path: str) -> int | None:
+        """POST /v1/flash takes a whole firmware ELF (FlashService.body_limit); the rest of
+        the API server.max_body_bytes."""
+        return self.flash.body_limit() if (method, path) == ("POST", "/v1/flash") else None
 
     @property
     def records(self) -> Mapping[str, RequestRecord]:
@@ -278,7 +287,8 @@ class Daemon:
                    **self.scheduler.counts()},
             cgroup=self.memory.health(), pressure=self.memory.pressure_dict(),
             socket=str(self.config.server.socket), journal=self.journal.health(),
-            degraded=self.degraded(), context_notes=self.context_notes)
+            degraded=self.degraded(), context_notes=self.context_notes,
+            serial=self.uarts.health())
 
     def metrics_text(self) -> str:
         """/metrics: the daemon's counters and model gauges, then the memory guard's."""
@@ -359,13 +369,21 @@ class Daemon:
                                      f"{tid} is outside the vocabulary 0..{size - 1} of model "
                                      f"{name!r}. Hint: use ids this model's POST /tokenize "
                                      "returns.")
-        if req.session is not None:  # history + the new turn (daemon/sessions.py)
-            prompt_ids = self.sessions.prompt_ids(req, name, tok)
-        elif req.chat:
-            prompt_ids = structured.chat_prompt(req, tok)  # tools and tool turns included
-        else:
-            prompt_ids = list(tok.encode(req.prompt or ""))
-        field = "messages" if req.chat else "prompt"
+        try:
+            if req.session is not None:  # history + the new turn (daemon/sessions.py)
+                prompt_ids = self.sessions.prompt_ids(req, name, tok)
+            elif req.chat:
+                prompt_ids = structured.chat_prompt(req, tok)  # tools and tool turns included
+            else:
+                prompt_ids = list(tok.encode(req.prompt or ""))
+        except ModelFileError as exc:  # no chat template in the GGUF (or not one of Jinja)
+            raw = (" On /api/generate, \"raw\": true sends the prompt as is, without the "
+                   "template." if req.messages_field == "prompt" else "")
+            raise InvalidRequest(f"field {req.messages_field!r}: model {name!r} cannot take "
+                                 f"chat messages: {exc}{raw}") from exc
+        except ChatMessageError as exc:  # the template refused them, or its render's bounds
+            raise InvalidRequest(f"field {req.messages_field!r}: {exc}") from exc
+        field = req.messages_field if req.chat else "prompt"
         if not prompt_ids:
             raise InvalidRequest(f"field {field!r}: encodes to no tokens. "
                                  "Hint: send some text.")
@@ -748,7 +766,9 @@ class Daemon:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_close, max(1.0, deadline - time.monotonic())
                                    + ANSWER_GRACE_S + 1.0)
-        await self.flash.wait(max(1.0, deadline - time.monotonic()))
+        # a flash job gets the drain and FLASH_GRACE_S more (a cut flash must be resumed), then
+        # stops at a block boundary; all within the unit's TimeoutStopSec (60 s)
+        await self.flash.wait(max(1.0, deadline - time.monotonic()) + FLASH_GRACE_S)
         await self.uarts.close()
         for svc in self.services.values():
             svc.poke()

@@ -55,7 +55,7 @@ from edge_agent.protocol.ollama import error_body as ollama_error_body
 from edge_agent.protocol.ollama import is_ollama_path
 from edge_agent.transports.http import Request, Response, StreamResponse
 
-__all__ = ["Router"]
+__all__ = ["Router", "transport_error_body"]
 
 OLLAMA_ROUTES = ("Ollama's API here is GET /api/tags, /api/ps, /api/version, POST /api/chat, "
                  "/api/generate, /api/show, /api/embed, /api/embeddings (docs/api.md).")
@@ -76,12 +76,19 @@ def _json(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> R
     return Response(status, json.dumps(obj, ensure_ascii=False).encode(), headers=headers)
 
 
+
+def transport_error_body(path: str, status: int, code: str, message: str) -> bytes | None:
+    """The HTTP server's own refusals (a body over the limit, a malformed body, a handler's
+    internal error) in the shape of the API they interrupt: `{"error": message}` under /api/
+    for Ollama's clients; None elsewhere (OpenAI's shape, the server's default)."""
+    return ollama_error_body(message) if is_ollama_path(path) else None
+
 class Router:
     def __init__(self, host: Gateway) -> None:
         self.host = host
         R = Callable[..., Awaitable[Reply]]
         self.routes: list[tuple[re.Pattern[str], dict[str, R]]] = [
-            (re.compile(r"/health"), {"GET": self.health}),
+            (re.compile(r"/health"), {"GET": self.health, "HEAD": self.health}),
             (re.compile(r"/metrics"), {"GET": self.metrics}),
             (re.compile(r"/v1/models"), {"GET": self.models}),
             (re.compile(r"/v1/models/(?P<name>[^/]+)"), {"GET": self.model}),
@@ -137,7 +144,10 @@ class Router:
     # -- status --------------------------------------------------------------------------------
     async def health(self, req: Request) -> Response:
         body = self.host.health()
-        return _json(200 if body["status"] == "serving" else 503, body)
+        status = 200 if body["status"] == "serving" else 503
+        if req.method == "HEAD":  # a probe that reads the status line only
+            return Response(status, b"")
+        return _json(status, body)
 
     async def metrics(self, req: Request) -> Reply:
         return Response(200, self.host.metrics_text().encode(),
@@ -287,7 +297,7 @@ class Router:
                 raise ApiError(400, "invalid_request", f"field 'tokens[{i}]': token id {t} is "
                                f"outside the vocabulary 0..{size - 1} of model {name!r}. Hint: "
                                "send ids this model's POST /tokenize returned.")
-        return _json(200, {"content": tok.decode(list(dreq.tokens))})
+        return _json(200, {"content": tok.detokenize(list(dreq.tokens))})
 
     # -- native requests -----------------------------------------------------------------------
     def _record(self, rid: str) -> RequestRecord:

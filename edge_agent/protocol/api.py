@@ -245,6 +245,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     logprobs: int | None = None  # None: not asked; N: each token's logprob and the N likeliest
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    # the request field the messages came from, for errors: Ollama's /api/generate makes chat
+    # turns of its "prompt"
+    messages_field: str = "messages"
 
     def sampling_dict(self, seed: int) -> dict[str, Any]:
         """Plain data for the runner's SamplingParams (the seed resolved by the caller); the

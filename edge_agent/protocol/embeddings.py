@@ -74,6 +74,10 @@ def _inputs(value: Any) -> tuple[tuple[str | tuple[int, ...], ...], bool]:
                    "split them over several requests")
     if all(_is_id(v) for v in value):
         return (_ids(value, "input"),), True
+    if _is_id(value[0]):  # one input of token ids, with something else in it
+        j = next(j for j, v in enumerate(value) if not _is_id(v))
+        raise _bad(f"input[{j}]", f"expected a token id like input[0], got {_show(value[j])}",
+                   "send one list of token ids, a list of strings, or a list of token-id lists")
     out: list[str | tuple[int, ...]] = []
     kind = "a string" if isinstance(value[0], str) else "a list of token ids"
     for i, item in enumerate(value):

@@ -323,8 +323,8 @@ def _options(d: Mapping[str, Any], limit: int) -> tuple[dict[str, Any], dict[str
 
 
 def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
-                messages: tuple[ChatMessage, ...] | None, prompt: str | None
-                ) -> GenerationRequest:
+                messages: tuple[ChatMessage, ...] | None, prompt: str | None,
+                messages_field: str = "messages") -> GenerationRequest:
     fields, names = _options(d, limit)
     body: dict[str, Any] = {"model": model, "stream": stream, **fields}
     fmt = d.get("format")
@@ -351,7 +351,8 @@ def _generation(d: Mapping[str, Any], *, model: str, stream: bool, limit: int,
         raise renamed(exc, names) from None
     if messages is None:
         return greq
-    return dataclasses.replace(greq, messages=messages, stream=stream)
+    return dataclasses.replace(greq, messages=messages, stream=stream,
+                               messages_field=messages_field)
 
 
 def renamed(exc: ApiError, names: Mapping[str, str] = {"response_format": "format"}  # noqa: B006 - read only
@@ -509,7 +510,7 @@ def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
         turns = [ChatMessage("system", texts["system"])] if texts["system"] else []
         turns.append(ChatMessage("user", texts["prompt"]))
         greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
-                           messages=tuple(turns), prompt=None)
+                           messages=tuple(turns), prompt=None, messages_field="prompt")
     return OllamaRequest(chat=False, model=model, generation=greq, keep_alive=ka,
                          stream=stream)
 

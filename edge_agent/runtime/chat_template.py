@@ -98,8 +98,9 @@ class ChatTemplateSandboxError(ModelFileError):
     """The template tried something the sandbox forbids (the model file is broken or hostile)."""
 
 
-class ChatTemplateLimitError(EdgeAgentError):
-    """A render went past its bounds (`RenderLimits`): too large, too slow or too deep."""
+class ChatTemplateLimitError(ChatMessageError):
+    """A render went past its bounds (`RenderLimits`): too large, too slow or too deep (these
+    messages cannot be rendered: the daemon answers 400)."""
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
 import threading
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 from edge_agent.errors import EdgeAgentError, ModelFileError
 
 __all__ = ["LlamaVocab", "VOCAB_TYPES", "check_gguf", "gguf_stamp", "llama_available",
-           "llama_lib", "model_meta", "recent_errors"]
+           "llama_lib", "model_meta", "recent_errors", "sigint_after_call"]
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
 _ATTR_CONTROL = 1 << 3  # LLAMA_TOKEN_ATTR_CONTROL
@@ -141,6 +142,27 @@ def check_gguf(path: str | Path, checked: str = "") -> None:
         pass
 
 
+@contextlib.contextmanager
+def sigint_after_call() -> Iterator[None]:
+    """Ctrl-C during a llama.cpp call that logs (a model load, a context's creation) raised
+    KeyboardInterrupt inside our log callback, where ctypes prints it and drops it: the load
+    went on and the command ran to its end. In the main thread with Python's own SIGINT
+    handler, this keeps the signal for after the call and raises KeyboardInterrupt then;
+    elsewhere (a thread, a process with its own handler) it changes nothing."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    hit: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: hit.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hit:
+        raise KeyboardInterrupt
+
+
 def _LOG_CALLBACK(lib: Any) -> Any:
     """llama.cpp's (and ggml's) log as records of the `edge_agent.llama` logger; its INFO
     chatter (model loading, graph sizes) shows only when that logger is set to INFO."""
@@ -218,7 +240,8 @@ class LlamaVocab:
         lib = llama_lib()
         params = lib.llama_model_default_params()
         params.vocab_only = True
-        model = lib.llama_model_load_from_file(str(path).encode(), params)
+        with sigint_after_call():
+            model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise ModelFileError(
                 f"{path}: llama.cpp could not read this GGUF's vocabulary "
@@ -298,6 +321,23 @@ class LlamaVocab:
         return b"".join(self.token_bytes(t) for t in ids
                         if not (skip_special and t in self.special_ids)).decode("utf-8",
                                                                                  "replace")
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of the ids with control tokens as their text (`<|im_start|>`), as
+        llama-server's /detokenize gives it; `decode` renders them as nothing, as a
+        completion's text does."""
+        out = bytearray()
+        buf = ctypes.create_string_buffer(256)
+        for t in ids:
+            n = self._lib.llama_token_to_piece(self._vocab, self._check_id(t), buf, len(buf), 0,
+                                               True)
+            if n < 0:
+                big = ctypes.create_string_buffer(-n)
+                n = self._lib.llama_token_to_piece(self._vocab, t, big, len(big), 0, True)
+                out += big.raw[:n]
+            else:
+                out += buf.raw[:n]
+        return out.decode("utf-8", "replace")
 
     @property
     def fingerprint(self) -> str:

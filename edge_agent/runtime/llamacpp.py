@@ -83,6 +83,7 @@ from edge_agent.runtime.llama_vocab import (
     llama_lib,
     model_meta,
     recent_errors,
+    sigint_after_call,
 )
 from edge_agent.runtime.prefill_groups import NewSeq
 from edge_agent.runtime.sampling import SamplingParams, TokenLogprobs, sample_rows_with_logprobs
@@ -308,7 +309,8 @@ class LlamaCppEngine:
         mparams = lib.llama_model_default_params()
         mparams.load_mode = 1  # LLAMA_LOAD_MODE_MMAP: the page cache holds the file once
         before = set(_regions())
-        model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        with sigint_after_call():  # a Ctrl-C in llama.cpp's log callback would be lost
+            model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         self._model_load_s = time.monotonic() - t0  # llama.cpp maps with MAP_POPULATE here
         real = os.path.realpath(self.path)
         # the weights: the GGUF's mapping, and anonymous memory the load created (repacked or
@@ -340,7 +342,12 @@ class LlamaCppEngine:
         cparams.kv_unified = False
         cparams.swa_full = False  # sliding-window layers keep their window only (llama-server's)
         cparams.no_perf = True
-        ctx = lib.llama_init_from_model(model, cparams)
+        try:
+            with sigint_after_call():
+                ctx = lib.llama_init_from_model(model, cparams)
+        except KeyboardInterrupt:
+            lib.llama_model_free(model)
+            raise
         if not ctx:
             lib.llama_model_free(model)
             raise LlamaCppError(

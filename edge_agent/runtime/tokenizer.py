@@ -289,6 +289,11 @@ class Tokenizer:
         data = b"".join(self.token_bytes(i) for i in ids if i not in special)
         return data.decode("utf-8", errors="replace")
 
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """`decode`, control tokens included as their text (POST /detokenize, `tokenize
+        --decode`); the llama.cpp vocabulary's `detokenize` gives the same."""
+        return self.decode(ids)
+
     def _check_id(self, token_id: int) -> int:
         if not 0 <= token_id < len(self._tokens):
             last = len(self._tokens) - 1

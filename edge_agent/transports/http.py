@@ -61,8 +61,9 @@ from urllib.parse import unquote
 import h11
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.filekind import file_kind
 from edge_agent.protocol.api import ApiError, error_body, parse_query
-from edge_agent.sockpath import bind_error, check_socket_path
+from edge_agent.sockpath import SocketPathError, bind_error, check_socket_path
 
 __all__ = ["Request", "Response", "StreamResponse", "HttpServer", "Handler", "SocketInUseError"]
 
@@ -179,9 +180,16 @@ class HttpServer:
                  max_connections: int = 256, health_slots: int = 8,
                  priority_paths: Sequence[str] = ("/health",),
                  accept_retry_s: float = 0.5, log_interval_s: float = 60.0,
+                 body_limit: Callable[[str, str], int | None] | None = None,
+                 error_body: Callable[[str, int, str, str], bytes | None] | None = None,
                  log: Callable[[str], None] = logger.warning) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        # (method, path) -> that route's own body limit, None: max_body_bytes
+        self.body_limit = body_limit
+        # (path, status, code, message) -> the error body the API under `path` speaks (the
+        # transport's own refusals: 413, a malformed body, 500), None: error_body's shape
+        self.error_body = error_body
         self.drain_timeout_s = drain_timeout_s
         self.header_timeout_s = header_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -463,7 +471,8 @@ class HttpServer:
                 framing = ("chunked: each chunk is its size in hex, CRLF, the data, CRLF; a "
                            "0-size chunk ends it" if chunked else "exactly Content-Length bytes")
                 msg = f"malformed request body: {_cut(exc)}. Hint: send the body {framing}."
-                await self._refuse_request(conn, reader, writer, _err(400, "bad_http", msg))
+                await self._refuse_request(conn, reader, writer,
+                                           self._err_for(_path_of(event), 400, "bad_http", msg))
                 return
             except _TimedOut as exc:
                 await self._timed_out(conn, reader, writer, exc)
@@ -471,7 +480,7 @@ class HttpServer:
             if early is not None:
                 if early.status == 413:
                     await self._send(conn, writer, early, close=True)
-                    await _linger(reader, writer, 4 * self.max_body_bytes + READ_CHUNK)
+                    await _linger(reader, writer, 4 * self._limit_for(event) + READ_CHUNK)
                     return
                 await self._send(conn, writer, early, close=c.limited or self._closing)
             else:
@@ -510,17 +519,34 @@ class HttpServer:
             await self._send(conn, writer, _err(408, "request_timeout", msg), close=True)
         await _linger(reader, writer, READ_CHUNK, timeout_s=0.2)
 
+    def _limit_for(self, event: h11.Request) -> int:
+        if self.body_limit is None:
+            return self.max_body_bytes
+        own = self.body_limit(event.method.decode("latin-1"), _path_of(event))
+        return self.max_body_bytes if own is None else own
+
+    def _too_large(self, limit: int, path: str) -> Response:
+        hint = ("send a smaller body or raise server.max_body_bytes"
+                if limit == self.max_body_bytes else "send a smaller body")
+        return self._err_for(path, 413, "body_too_large",
+                             f"request body is larger than the limit of {limit} bytes. "
+                             f"Hint: {hint}.")
+
+    def _err_for(self, path: str, status: int, code: str, message: str) -> Response:
+        """`_err` in the shape of the API `path` belongs to (`error_body`)."""
+        body = self.error_body(path, status, code, message) if self.error_body else None
+        return _err(status, code, message) if body is None else Response(status, body)
+
     async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter,
                             event: h11.Request) -> tuple[Request | None, Response | None]:
         """The whole request, or an early answer instead (413, or 400 for the query)."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         length = headers.get("content-length")
+        limit = self._limit_for(event)
         if length is not None and length.isdigit() and (
-                len(length) > 18 or int(length) > self.max_body_bytes):
-            msg = (f"request body is larger than the limit of {self.max_body_bytes} bytes. "
-                   "Hint: send a smaller body or raise server.max_body_bytes.")
-            return None, _err(413, "body_too_large", msg)
+                len(length) > 18 or int(length) > limit):
+            return None, self._too_large(limit, _path_of(event))
         has_body = length not in (None, "0") or "transfer-encoding" in headers
         if conn.client_is_waiting_for_100_continue and has_body:
             writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -533,10 +559,8 @@ class HttpServer:
                 conn.receive_data(await self._read(reader, self.header_timeout_s, True, what))
             elif isinstance(ev, h11.Data):
                 body += ev.data
-                if len(body) > self.max_body_bytes:
-                    msg = (f"request body is larger than the limit of {self.max_body_bytes} "
-                           "bytes. Hint: send a smaller body or raise server.max_body_bytes.")
-                    return None, _err(413, "body_too_large", msg)
+                if len(body) > limit:
+                    return None, self._too_large(limit, _path_of(event))
             elif isinstance(ev, h11.EndOfMessage):
                 break
             else:
@@ -586,7 +610,7 @@ class HttpServer:
         msg = (f"{what}: internal error ({type(exc).__name__}). Hint: this is a daemon bug; "
                "the daemon's log has the details, and sending the same request again will "
                "likely fail the same way.")
-        return _err(500, "internal_error", msg)
+        return self._err_for(request.path, 500, "internal_error", msg)
 
     async def _stream(self, conn: h11.Connection, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter, response: StreamResponse, close: bool) -> None:
@@ -656,6 +680,10 @@ class HttpServer:
             await asyncio.wait_for(writer.drain(), self.send_timeout_s)
         except asyncio.TimeoutError:
             raise _Disconnected() from None
+
+
+def _path_of(event: h11.Request) -> str:
+    return _split_target(event.target.decode("latin-1"))[0]
 
 
 def _split_target(target: str) -> tuple[str, str]:
@@ -748,9 +776,12 @@ def _remove_stale(path: Path) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise SocketInUseError(
-            f"socket path {path}: exists and is not a socket. "
-            "Hint: choose another --socket path or remove the file."
+        # nothing a restart changes: a configuration error (exit 78), which stops systemd's
+        # restart loop (RestartPreventExitStatus=78)
+        raise SocketPathError(
+            f"socket path {path}: exists and is {file_kind(st.st_mode)}, not a socket. "
+            "Hint: choose another --socket path (server.socket), or remove what is there if "
+            "it is not needed."
         )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
