@@ -74,6 +74,7 @@ test: deps-test
 bench: venv
 	$(PY) bench/runtime.py
 	$(PY) bench/serve.py --state-dir $(STATE)
+	$(PY) bench/prompt_cache.py
 	$(PY) bench/flash.py
 	$(PY) bench/uart.py
 	$(PY) bench/journal.py

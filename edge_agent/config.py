@@ -181,7 +181,7 @@ def _plain(section: str, key: str, value: Any) -> Any:
         return value if value is not None else "max"
     if key == "threads":
         return value if value is not None else "auto"
-    if key == "max_age_s":
+    if key in ("max_age_s", "session_max_age_s"):
         return value if value is not None else "never"
     if key == "ttl_s":
         return value if value is not None else "never"

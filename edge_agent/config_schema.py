@@ -97,7 +97,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "runtime": {
         "engine": Key(cv.choice("auto", "llamacpp", "numpy"), '"auto"', "compute engine: "
                       "llamacpp (any GGUF llama.cpp loads), numpy (the reference; llama-family "
-                      "Q4_0/Q4_1/Q8_0/F16/F32 only); auto: llamacpp when installed"),
+                      "F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 only); auto: llamacpp when installed"),
         "mlock": Key(cv.choice("required", "best-effort", "off"), '"best-effort"',
                      "pin weights in RAM: refuse to serve unpinned, try, or do not try"),
         "dtype": Key(cv.choice("f32", "f16"), '"f32"',

@@ -48,8 +48,12 @@ class HostProfile:
 def profile_dirs(env: Mapping[str, str] = os.environ) -> list[Path]:
     if env.get(PROFILE_DIR_ENV):
         return [Path(p) for p in env[PROFILE_DIR_ENV].split(":") if p]
-    checkout = Path(__file__).resolve().parent.parent / "board_profiles"
-    return [Path("/etc/edge-agent/board_profiles"), checkout]
+    top = Path(__file__).resolve().parent.parent
+    # a checkout's board_profiles/, else the copy an installed wheel carries (package data of
+    # firmware_tools, beside edge_agent in site-packages), as firmware_tools.profiles finds it
+    checkout = top / "board_profiles"
+    installed = top / "firmware_tools" / "profiles"
+    return [Path("/etc/edge-agent/board_profiles"), checkout if checkout.is_dir() else installed]
 
 
 PROFILE_MAX_BYTES = MiB  # a board profile is a few KiB; a larger "file" is a wrong path

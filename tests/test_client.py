@@ -300,22 +300,26 @@ def test_status_text_for_trouble() -> None:
                    "policy": "default", "models": {"smollm2": "/sys/fs/cgroup/ea/models/smollm2"},
                    "warnings": ["memory.swap.max is not writable here"],
                    "service_memory_max": 2 << 30, "oom_kills": {"smollm2": 2}}
-    h["serial"] = {"port": "/dev/ttyS0", "open": True}
+    h["gadget"] = {"port": "/dev/ttyS0", "open": True}  # a section status does not know
+    h["serial"] = [{"url": "/dev/ttyAMA0", "up": False, "link_lost": 2, "reopens": 1,
+                    "open_failures": 7}, {"url": "/dev/ttyS1", "up": True}]
     text = render_health(h, "/run/edge-agent.sock", 503)
     lines = text.splitlines()
     assert lines[0] == ("edge-agent: degraded (pid 19230, up 2d03h, HTTP 503, "
                         "socket /run/edge-agent.sock)")
     assert lines[2].startswith("pressure:  shed (stage 2), refusing new requests; ")
-    assert lines[4:8] == [
+    assert lines[4:10] == [
         "cgroup:    /sys/fs/cgroup/ea (policy default, service memory.max 2147483648, "
         "OOM kills 2)",
         "           warning: memory.swap.max is not writable here",
-        "serial:    port=/dev/ttyS0, open=yes",
+        "serial:    /dev/ttyAMA0 DOWN (reopening); link lost 2, reopened 1, failed opens 7",
+        "           /dev/ttyS1 up; link lost -, reopened -, failed opens -",
+        "gadget:    port=/dev/ttyS0, open=yes",
         "models:",
     ]
-    assert lines[9].split() == ["smollm2", "failed", "1", "0", "0", "8", "2048", "1024/1024",
-                                "no", "(best-effort)"]
-    assert lines[10:] == [
+    assert lines[11].split() == ["smollm2", "failed", "1", "0", "0", "8", "2048", "1024/1024",
+                                 "no", "(best-effort)"]
+    assert lines[12:] == [
         "  smollm2: runner exited with signal 9 (SIGKILL) 3 times in 60 s",
         "  smollm2: weights not locked: mlock: Cannot allocate memory (RLIMIT_MEMLOCK 8 MiB)",
     ]
@@ -527,6 +531,18 @@ def test_global_options_after_the_command(daemon: FakeDaemon, no_location_env: P
     (["generate", "x", "--max-tokens", "many"], "edge-agent generate",
      "argument --max-tokens: invalid int value: 'many'"),
     (["frobnicate"], "edge-agent", "argument COMMAND: invalid choice: 'frobnicate'"),
+    # a socket cannot wait 0, a negative or NaN seconds (it was a traceback, or a bogus
+    # "is this an edge-agent daemon?" after an instant timeout)
+    (["status", "--timeout", "-1"], "edge-agent status",
+     "argument --timeout: '-1' seconds: give a number above 0"),
+    (["models", "--timeout", "0"], "edge-agent models",
+     "argument --timeout: '0' seconds: give a number above 0"),
+    (["chat", "--timeout", "nan"], "edge-agent chat",
+     "argument --timeout: 'nan' seconds: give a number above 0"),
+    (["model"], "edge-agent model", "the following arguments are required: ACTION"),
+    (["systemd"], "edge-agent systemd", "the following arguments are required: ACTION"),
+    (["status", "--timeout", "soon"], "edge-agent status",
+     "argument --timeout: 'soon' is not a number of seconds"),
 ])
 def test_usage_errors_end_with_a_hint(argv: list[str], prog: str, fragment: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:

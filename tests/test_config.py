@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -221,6 +222,35 @@ def test_board_layer_and_mcu_rejection(profiles: Path) -> None:
         load(board="mcuchip", profile_dirs=[profiles])
     with pytest.raises(ConfigError, match=r"'nosuch': no file nosuch\.toml .*testboard"):
         load(board="nosuch", profile_dirs=[profiles])
+
+
+def test_board_profiles_are_found_in_an_installed_wheels_layout(tmp_path: Path) -> None:
+    """`pip install .` puts edge_agent and firmware_tools side by side in site-packages, with
+    the profiles as firmware_tools' package data and no board_profiles/ next to them: `serve
+    --board rpi5` must find them there (it did not: "host profiles: (none)")."""
+    import shutil
+    import subprocess
+    import sys
+
+    import edge_agent
+    import firmware_tools
+
+    site = tmp_path / "site-packages"
+    for pkg in (edge_agent, firmware_tools):
+        src = Path(pkg.__file__).parent
+        shutil.copytree(src, site / src.name, symlinks=False,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    assert not (site / "board_profiles").exists()
+    code = ("import json; from edge_agent.host_profiles import list_host_profiles, "
+            "load_host_profile; print(json.dumps(list_host_profiles())); "
+            "print(load_host_profile('rpi5').path)")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    names, path = r.stdout.splitlines()
+    assert {"rpi5", "rk3588", "generic-debian"} <= set(json.loads(names))
+    assert path == str(site / "firmware_tools" / "profiles" / "rpi5.toml")
 
 
 def test_board_profile_errors(profiles: Path) -> None:

@@ -50,6 +50,23 @@ def test_stop_text_and_prompt_from_stdin(prepared_state_dir, capsys, monkeypatch
     assert (code, out) == (0, "The capital of France is ")
 
 
+def test_stop_text_takes_llama_cpps_escapes(tmp_path, capsys):
+    from edge_agent.commands.generate import process_escapes
+
+    assert process_escapes(r"\n\n") == "\n\n"
+    assert process_escapes(r"a\tb\r\x41\'\"") == "a\tb\rA'\""
+    assert process_escapes(r"\\n") == "\\n"  # an escaped backslash, then a plain n
+    # unknown escapes stay as typed; a doubled backslash is one
+    assert process_escapes(r"\q \xZZ end\\ \\") == "\\q \\xZZ end\\ \\"
+    pytest.importorskip("llama_cpp", reason="the default engine's greedy text")
+    # the documented example: --stop "\n\n" (as a shell passes it) stops at the blank line
+    prompt = ("--max-tokens", "16", "The capital of France is")
+    code, whole, _ = _run(tmp_path, *prompt, capsys=capsys, engine="llamacpp")
+    assert code == 0 and "\n\n" in whole, whole
+    code, out, _ = _run(tmp_path, "--stop", r"\n\n", *prompt, capsys=capsys, engine="llamacpp")
+    assert code == 0 and out == whole[:whole.index("\n\n")], (out, whole)
+
+
 def test_seeded_sampling_is_reproducible(prepared_state_dir, capsys):
     args = ("--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--max-tokens", "12")
     a = _run(prepared_state_dir, *args, "--seed", "5", STORY, capsys=capsys)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -37,6 +39,35 @@ def test_stats_json_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["--state-dir", str(tmp_path), "journal", "stats"]) == 0
     out = capsys.readouterr().out
     assert "done 3" in out and "tokens         15" in out
+
+
+def test_the_daemons_configured_journal_is_the_one_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # server.state_dir and journal.path from the configuration (here its environment layer)
+    # name the daemon's journal; the CLI used to read STATE_DIR's by the paths rule only
+    for key in [k for k in os.environ if k.startswith("EDGE_AGENT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    state = tmp_path / "state"
+    _journal(state)
+    monkeypatch.setenv("EDGE_AGENT_SERVER__STATE_DIR", str(state))
+    assert main(["journal", "stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(state / "journal.sqlite3")
+    elsewhere = tmp_path / "elsewhere"
+    _journal(elsewhere)
+    (elsewhere / "journal.sqlite3").rename(tmp_path / "j.sqlite3")
+    monkeypatch.setenv("EDGE_AGENT_JOURNAL__PATH", str(tmp_path / "j.sqlite3"))
+    assert main(["journal", "stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "j.sqlite3")
+    # --journal still wins, and --state-dir wins over server.state_dir (not over journal.path)
+    assert main(["journal", "--journal", str(state / "journal.sqlite3"), "stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(state / "journal.sqlite3")
+    monkeypatch.delenv("EDGE_AGENT_JOURNAL__PATH")
+    other = tmp_path / "other"
+    _journal(other)
+    assert main(["--state-dir", str(other), "journal", "stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(other / "journal.sqlite3")
 
 
 def test_tail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,6 +137,22 @@ def test_missing_and_corrupt_journal(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["journal", "--journal", str(bad), "vacuum"]) == 1
     assert "is corrupt" in capsys.readouterr().err
     assert bad.read_bytes() == b"garbage!" * 600  # the CLI never moves a file aside
+    # an empty file, or another program's SQLite database, is not read or written as a journal
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    other = tmp_path / "other.db"
+    db = sqlite3.connect(other)
+    db.execute("CREATE TABLE notes (x)")
+    db.commit()
+    db.close()
+    before = other.read_bytes()
+    for path, what in ((empty, "no tables"), (other, "tables notes")):
+        for action in ("stats", "tail", "export", "vacuum"):
+            assert main(["journal", "--journal", str(path), action]) == 1, (path, action)
+            err = capsys.readouterr().err
+            assert f"{path} is not an edge-agent journal (SQLite schema version 0, {what})" \
+                in err and "Hint: point --journal at the daemon's journal" in err, err
+    assert empty.stat().st_size == 0 and other.read_bytes() == before
 
 
 def test_help_lists_the_actions(capsys: pytest.CaptureFixture[str]) -> None:

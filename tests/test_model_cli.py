@@ -108,8 +108,12 @@ def test_prepare_corrupt_existing_then_force(tiny_gguf: Tiny, tmp_path: Path,
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = _run(capsys, "model")
-    assert rc == 2 and out == "" and "prepare" in err and "info" in err and "pin" in err
+    with pytest.raises(SystemExit) as exc:  # no action: an error line and a Hint, as journal
+        main(["model"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert "edge-agent model: error: the following arguments are required: ACTION" in err
+    assert "Hint: run `edge-agent model --help`" in err
     with pytest.raises(SystemExit) as exc:
         main(["model", "prepare", "--dtype", "bf16"])
     assert exc.value.code == 2
@@ -258,6 +262,37 @@ def test_info_gemma3_k_quants_spm_and_no_template(gemma3_path: Path, tmp_path: P
     assert rows["quantization"].startswith("Q8_0 x10 (169,246,720 params, 171.5 MiB), Q5_0 x81 ")
     assert ("prepared f32     " in out and "not possible: the numpy engine cannot dequantize "
             "Q4_K, Q6_K (the llama.cpp engine reads the GGUF as is)" in out)
+
+
+def test_info_names_the_engine_and_whether_it_can_run_the_model(
+        gemma3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from edge_agent.runtime.engines import resolve_engine
+
+    state = ["--state-dir", str(tmp_path), "model", "info", str(gemma3_path)]
+    rc, out, _ = _run(capsys, *state, "--json")
+    assert rc == 0
+    auto = resolve_engine("auto")
+    doc = json.loads(out)["engine"]
+    assert (doc["requested"], doc["name"]) == ("auto", auto)
+    assert doc["can_run"] is (auto == "llamacpp")
+    rc, out, _ = _run(capsys, *state, "--engine", "numpy", "--json")
+    assert json.loads(out)["engine"] == {
+        "requested": "numpy", "name": "numpy", "can_run": False,
+        "problem": "the numpy engine runs llama only, not gemma3"}
+    rc, out, _ = _run(capsys, *state, "--engine", "numpy")
+    assert _rows(out)["engine"] == ("numpy: CANNOT run this model: the numpy engine runs llama "
+                                    "only, not gemma3. Hint: use --engine llamacpp")
+    rc, out, _ = _run(capsys, *state, "--engine", "llamacpp")
+    assert rc == 0 and _rows(out)["engine"] == "llamacpp"
+    with pytest.raises(SystemExit) as e:
+        _run(capsys, *state, "--engine", "tpu")
+    assert e.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+    # the default SmolLM2 runs on both; auto says which library decided
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info", "--engine", "numpy")
+    assert _rows(out)["engine"] == "numpy"
+    rc, out, _ = _run(capsys, "--state-dir", str(tmp_path), "model", "info")
+    assert _rows(out)["engine"] == (
+        f"{auto} (auto: llama-cpp-python {'is' if auto == 'llamacpp' else 'is not'} installed)")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "phi3"])

@@ -144,7 +144,10 @@ def test_install_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert f"writing {blocker / 'sub' / 'edge-agent.service'}" in err
     assert "Hint: run it as root" in err
-    assert cli.main(["systemd"]) == EXIT_USAGE
+    with pytest.raises(SystemExit) as exc:  # no action: a usage error with its Hint line
+        cli.main(["systemd"])
+    assert exc.value.code == EXIT_USAGE
+    assert "error: the following arguments are required: ACTION" in capsys.readouterr().err
 
 
 def test_systemd_analyze_verify_passes(tmp_path: Path) -> None:

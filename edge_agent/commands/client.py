@@ -19,10 +19,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from edge_agent.client import DaemonClient, DaemonUnavailable
-from edge_agent.config import load_config
+from edge_agent.config import Config, load_config
 
 __all__ = ["register", "run_status", "run_models", "run_chat", "render_health", "client_for",
            "daemon_socket"]
+
+
+def _seconds(text: str) -> float:
+    """--timeout: a finite number of seconds above 0 (a socket cannot wait 0, -1 or NaN s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} seconds: give a number above 0, e.g. 30")
+    return value
 
 
 def _common(parser: argparse.ArgumentParser, timeout: float = 30.0) -> None:
@@ -31,7 +42,7 @@ def _common(parser: argparse.ArgumentParser, timeout: float = 30.0) -> None:
                         "else STATE_DIR/edge-agent.sock; see `edge-agent --help`)")
     parser.add_argument("--config", metavar="FILE",
                         help="configuration file (default: /etc/edge-agent/config.toml)")
-    parser.add_argument("--timeout", type=float, default=timeout, metavar="S",
+    parser.add_argument("--timeout", type=_seconds, default=timeout, metavar="S",
                         help="seconds to wait for each reply from the daemon "
                         "(default: %(default)s)")
 
@@ -70,11 +81,18 @@ def daemon_socket(args: argparse.Namespace, config: str | None = None) -> Path:
     the systemd unit serves on, with no flags."""
     if getattr(args, "socket", None):
         return Path(args.socket)
+    return configured(args, config).server.socket
+
+
+def configured(args: argparse.Namespace, config: str | None = None) -> Config:
+    """The daemon's configuration as a client command sees it: the file (`config`, else
+    --config, else the default), EDGE_AGENT_* variables, and --state-dir over
+    server.state_dir; paths are not checked (the command may run where models are not)."""
     state = getattr(args, "state_dir", None)
     overrides = {"server.state_dir": state} if state else {}
     return load_config(config if config is not None else getattr(args, "config", None),
                        env=os.environ, check_paths=False, overrides=overrides,
-                       flags={"server.state_dir": "--state-dir"}).server.socket
+                       flags={"server.state_dir": "--state-dir"})
 
 
 def client_for(args: argparse.Namespace) -> DaemonClient:
@@ -204,6 +222,13 @@ _SHOWN = {"status", "state", "pid", "uptime_s", "started_at", "socket", "models"
           *_SECTIONS}
 
 
+def _serial_line(port: dict[str, Any]) -> str:
+    state = "up" if port.get("up") else "DOWN (reopening)"
+    return (f"{port.get('url', '?')} {state}; link lost {_scalar(port.get('link_lost'))}, "
+            f"reopened {_scalar(port.get('reopens'))}, failed opens "
+            f"{_scalar(port.get('open_failures'))}")
+
+
 def render_health(health: dict[str, Any], socket_path: str, http_status: int) -> str:
     """Human-readable /health: a headline, one line per section, a table of the models.
 
@@ -229,8 +254,12 @@ def render_health(health: dict[str, Any], socket_path: str, http_status: int) ->
         first, *rest = _cgroup_lines(health["cgroup"])
         lines.append(f"{'cgroup:':<10} {first}")
         lines += [f"{'':<10} {line}" for line in rest]
+    ports = health.get("serial")
+    if isinstance(ports, list):
+        for i, port in enumerate(p for p in ports if isinstance(p, dict)):
+            lines.append(f"{'serial:' if i == 0 else '':<10} {_serial_line(port)}")
     for key, value in health.items():
-        if key not in _SHOWN:
+        if key not in _SHOWN and not (key == "serial" and isinstance(value, list)):
             lines.append(f"{key + ':':<10} "
                          f"{_inline(value) if isinstance(value, dict) else _scalar(value)}")
     lines += _model_rows(health.get("models"))

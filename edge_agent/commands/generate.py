@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from edge_agent.errors import EXIT_OK, UsageError
-from edge_agent.paths import state_dir
 from edge_agent.runtime.engines import ENGINES
 from edge_agent.runtime.memlock import MLOCK_POLICIES
 from edge_agent.runtime.prepared_format import DTYPES
@@ -64,7 +63,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="random seed; token i draws from (S, i) (default: 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop before TEXT (repeatable)")
+                   help="stop before TEXT (repeatable); escapes as in llama.cpp's tools: "
+                   "\\n, \\r, \\t, \\\\, \\', \\\", \\xHH (so --stop '\\n\\n' stops at a blank "
+                   "line)")
     p.add_argument("--chat", action="store_true",
                    help="treat PROMPT as a user message under the model's chat template")
     p.add_argument("--mlock", choices=MLOCK_POLICIES, default="best-effort",
@@ -95,8 +96,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=tuple(args.stop),
+        max_tokens=args.max_tokens, stop=tuple(process_escapes(s) for s in args.stop),
     )
+
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
+
+
+def process_escapes(text: str) -> str:
+    """`--stop` text with llama.cpp's escapes (common.cpp string_process_escapes) turned into
+    the characters: a shell passes "\\n\\n" as a backslash and an n, twice. An unknown escape
+    stays as typed, backslash included."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt in _ESCAPES:
+                out.append(_ESCAPES[nxt])
+                i += 2
+                continue
+            hexa = text[i + 2:i + 4]
+            if nxt == "x" and len(hexa) == 2 and all(h in "0123456789abcdefABCDEF" for h in hexa):
+                out.append(chr(int(hexa, 16)))
+                i += 4
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _prompt_text(arg: str, stdin: TextIO) -> str:
@@ -125,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
     why = "--local" if args.local else f"--model {args.model}"
     print(f"edge-agent: loading the model in this process ({why}), not using a daemon",
           file=sys.stderr)
+    from edge_agent.commands.client import configured
+
     generate_local(
         prompt, params, model=Path(args.model) if args.model else None,
-        state=state_dir(args.state_dir), chat=args.chat, dtype=args.dtype, mlock=args.mlock,
+        state=Path(configured(args).server.state_dir), chat=args.chat, dtype=args.dtype,
+        mlock=args.mlock,
         threads=args.threads, verbose=args.verbose, engine=args.engine,
     )
     return EXIT_OK

@@ -28,7 +28,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "daemon keeps across crashes and power cuts.",
     )
     parser.add_argument("--journal", metavar="FILE",
-                        help="journal file (default: STATE_DIR/journal.sqlite3)")
+                        help="journal file (default: the daemon's: journal.path from the "
+                        "configuration, else STATE_DIR/journal.sqlite3)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="the daemon's configuration file, for journal.path and "
+                        "server.state_dir (default: /etc/edge-agent/config.toml)")
     actions = parser.add_subparsers(dest="journal_action", metavar="ACTION", required=True)
     stats = actions.add_parser("stats", help="counts, file size, durability settings, events")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
@@ -52,12 +56,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _path(args: argparse.Namespace) -> Path:
-    from edge_agent.journal import default_journal_path
-    from edge_agent.paths import state_dir
+    """--journal, else the daemon's journal: journal.path, else STATE_DIR/journal.sqlite3,
+    with the state directory as the daemon finds it (server.state_dir included)."""
+    from edge_agent.commands.client import configured
 
     if args.journal:
         return Path(args.journal)
-    return default_journal_path(state_dir(getattr(args, "state_dir", None)))
+    config = configured(args)
+    path: Path = config.journal.resolve_path(Path(config.server.state_dir))
+    return path
 
 
 def _when(ts: float | None) -> str:
@@ -127,7 +134,13 @@ def _export(store: Any, states: list[str] | None) -> int:
 
 
 def _vacuum(path: Path, args: argparse.Namespace) -> int:
-    from edge_agent.journal import JournalMissingError, JournalStore, open_journal
+    from edge_agent.journal import (
+        JournalError,
+        JournalMissingError,
+        JournalStore,
+        NotAJournalError,
+        open_journal,
+    )
 
     for name, value in (("--max-age", args.max_age), ("--keep", args.keep),
                         ("--session-max-age", args.session_max_age)):
@@ -137,6 +150,12 @@ def _vacuum(path: Path, args: argparse.Namespace) -> int:
     if not path.is_file():
         raise JournalMissingError(f"no journal at {path}. Hint: pass the right --state-dir "
                                   "or --journal FILE.")
+    try:  # never write a journal into another program's file (a corrupt one: the open below)
+        open_journal(path, readonly=True).close()
+    except NotAJournalError:
+        raise
+    except JournalError:
+        pass
     store = JournalStore(open_journal(path, on_corrupt="raise"))
     try:
         pruned = store.prune(max_age_s=args.max_age, max_finished=args.keep,

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from edge_agent.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, ModelFileError
-from edge_agent.paths import default_model_path, state_dir
+from edge_agent.errors import EXIT_ERROR, EXIT_OK, ModelFileError
+from edge_agent.paths import default_model_path
 from edge_agent.runtime import memlock
+from edge_agent.runtime.engines import ENGINES, resolve_engine
 from edge_agent.runtime.gguf import GGUFFile
 from edge_agent.runtime.memlock import MLOCK_POLICIES
 from edge_agent.runtime.prepared_format import DTYPES, PreparedInfo
@@ -67,8 +68,7 @@ class StderrProgress:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("model", help="prepare weights, show model facts, check pinning",
                             description="Prepare, inspect and pin model weights.")
-    parser.set_defaults(func=lambda args: _usage(parser))
-    msub = parser.add_subparsers(dest="model_command", metavar="ACTION")
+    msub = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     def common(p: argparse.ArgumentParser, dtype: bool = True) -> None:
         p.add_argument("path", nargs="?", metavar="PATH",
@@ -86,8 +86,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_prepare)
 
     p = msub.add_parser("info", help="architecture, sizes, quantization, tokenizer, state",
-                        description="Describe a GGUF model and the state of its prepared files.")
+                        description="Describe a GGUF model, the engine that would run it and "
+                        "the state of its prepared files.")
     common(p, dtype=False)
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="the engine to report on: llamacpp, numpy, or auto (llamacpp when "
+                   "llama-cpp-python is installed; runtime.engine's default)")
     p.set_defaults(func=run_info)
 
     p = msub.add_parser("pin", help="map and lock the prepared weights once, report VmLck",
@@ -100,19 +104,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_pin)
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
-
-
 def _source(args: argparse.Namespace) -> Path:
     return Path(args.path) if args.path else default_model_path()
+
+
+def _state(args: argparse.Namespace) -> Path:
+    """The daemon's state directory (where it looks for prepared weights): --state-dir, else
+    server.state_dir from the configuration and EDGE_AGENT_*, else the paths rule."""
+    from edge_agent.commands.client import configured
+
+    return Path(configured(args).server.state_dir)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     from edge_agent.runtime.prepare import prepare_model
 
-    src, state = _source(args), state_dir(args.state_dir)
+    src, state = _source(args), _state(args)
     progress = StderrProgress(f"preparing {src.name} ({args.dtype})")
     calls = []
 
@@ -144,7 +151,7 @@ def run_pin(args: argparse.Namespace) -> int:
     from edge_agent.runtime.prepare import find_prepared
     from edge_agent.runtime.weights import PinnedWeights
 
-    src, state = _source(args), state_dir(args.state_dir)
+    src, state = _source(args), _state(args)
     path = find_prepared(src, state, args.dtype)
     if path is None:
         raise ModelFileError(
@@ -239,7 +246,23 @@ def _prepared_state(src: Path, state: Path, dtype: str, sha: str) -> dict[str, A
     return entry
 
 
-def describe_model(src: Path, state: Path) -> dict[str, Any]:
+def _engine(requested: str, arch: str, undequantized: list[str]) -> dict[str, Any]:
+    """The engine `requested` resolves to here, and whether it can run this model."""
+    from edge_agent.runtime.model_config import SUPPORTED_ARCHITECTURES
+
+    name = resolve_engine(requested)
+    problem = None
+    if name == "numpy":
+        if arch not in SUPPORTED_ARCHITECTURES:
+            problem = (f"the numpy engine runs {', '.join(SUPPORTED_ARCHITECTURES)} only, "
+                       f"not {arch}")
+        elif undequantized:
+            problem = f"the numpy engine cannot dequantize {', '.join(undequantized)}"
+    return {"requested": requested, "name": name, "can_run": problem is None,
+            "problem": problem}
+
+
+def describe_model(src: Path, state: Path, engine: str = "auto") -> dict[str, Any]:
     """Everything `model info` shows, as JSON-ready data."""
     from edge_agent.runtime import quant
     from edge_agent.runtime.prepare import prepared_size, source_sha256
@@ -259,6 +282,7 @@ def describe_model(src: Path, state: Path) -> dict[str, Any]:
         sizes = {d: prepared_size(g, d) for d in DTYPES}
         out = {
             "path": str(src), "name": meta.get("general.name"), "architecture": arch,
+            "engine": _engine(engine, arch, undequantized),
             "gguf_version": g.version, "file_bytes": g.size, "tensor_count": len(g.tensors),
             "parameters": sum(params.values()), "tensor_bytes": sum(nbytes.values()),
             "prepared_bytes": sizes,
@@ -284,12 +308,22 @@ def describe_model(src: Path, state: Path) -> dict[str, Any]:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    info = describe_model(_source(args), state_dir(args.state_dir))
+    info = describe_model(_source(args), _state(args), engine=args.engine)
     if args.json:
         print(json.dumps(info))
         return EXIT_OK
     print(_format_info(info))
     return EXIT_OK
+
+
+def _engine_line(e: dict[str, Any]) -> str:
+    how = " (auto: llama-cpp-python " + ("is" if e["name"] == "llamacpp" else "is not") \
+        + " installed)" if e["requested"] == "auto" else ""
+    if e["can_run"]:
+        return str(e["name"]) + how
+    hint = ("install llama-cpp-python (the llamacpp engine reads any GGUF llama.cpp loads)"
+            if e["requested"] == "auto" else "use --engine llamacpp")
+    return f"{e['name']}{how}: CANNOT run this model: {e['problem']}. Hint: {hint}"
 
 
 def _format_info(i: dict[str, Any]) -> str:
@@ -311,6 +345,7 @@ def _format_info(i: dict[str, Any]) -> str:
 
     lines = [
         ("model", i["path"]), ("name", str(i["name"])), ("architecture", i["architecture"]),
+        ("engine", _engine_line(i["engine"])),
         ("parameters", f"{i['parameters']:,}"),
         ("file", f"{i['file_bytes']:,} bytes ({mb(i['file_bytes'])}), GGUF v{i['gguf_version']},"
                  f" {i['tensor_count']} tensors, sha256 {i['sha256'][:16]}..."),

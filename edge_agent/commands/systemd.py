@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="install the systemd units for this installation",
         description="Manage the systemd integration (service, socket, sysusers, tmpfiles).",
     )
-    actions = parser.add_subparsers(dest="systemd_action", metavar="ACTION")
+    actions = parser.add_subparsers(dest="systemd_action", metavar="ACTION", required=True)
     inst = actions.add_parser(
         "install",
         help="write edge-agent.service/.socket and the sysusers/tmpfiles snippets",
@@ -98,7 +98,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inst.add_argument("--dry-run", action="store_true",
                       help="print the files to stdout instead of writing them")
     inst.set_defaults(func=run)
-    parser.set_defaults(func=lambda args: _usage(parser))
+
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:

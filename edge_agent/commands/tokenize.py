@@ -1,6 +1,9 @@
 """`edge-agent tokenize`: text -> token ids (or ids -> text with --decode), from GGUF metadata.
 
-Reads only the GGUF header and metadata (no tensor is touched), so it is fast on any model.
+Tokenizes with the engine's tokenizer, as the daemon does: on llamacpp (the default where
+llama-cpp-python is installed) a vocab-only llama.cpp load, any vocabulary type (BPE, SPM, WPM,
+UGM); on numpy the GPT-2 style BPE built from the metadata. Reads only the GGUF header and
+metadata (no tensor is touched), so it is fast on any model.
 Input is TEXT, or stdin when TEXT is `-` or absent (read as bytes, decoded as strict UTF-8, taken
 verbatim: a trailing newline is part of the text). Ids go to stdout, space separated, or as a JSON
 list with --json; diagnostics go to stderr.
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 from edge_agent.errors import UsageError
+from edge_agent.runtime.engines import ENGINES
 
 __all__ = ["register", "run"]
 
@@ -23,13 +27,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "tokenize",
         help="print the token ids of a text (or the text of ids with --decode)",
-        description="Tokenize TEXT with the model's tokenizer (built from its GGUF metadata). "
-        "Control-token text such as <|im_start|> is tokenized as plain text.",
+        description="Tokenize TEXT with the model's tokenizer, as the daemon does (llama.cpp's "
+        "vocabulary, or the numpy engine's BPE). Control-token text such as <|im_start|> is "
+        "tokenized as plain text.",
     )
     parser.add_argument("text", nargs="?", default="-", metavar="TEXT",
                         help="text to tokenize; '-' or absent reads stdin")
     parser.add_argument("--model", metavar="PATH",
                         help="GGUF file (default: the installed SmolLM2-135M-Instruct)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="whose tokenizer: llamacpp, numpy, or auto (llamacpp when "
+                        "llama-cpp-python is installed; runtime.engine's default)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON list of ids (with --decode: a JSON string)")
     mode = parser.add_mutually_exclusive_group()
@@ -83,15 +91,13 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from edge_agent.paths import default_model_path
-    from edge_agent.runtime.gguf import GGUFFile
-    from edge_agent.runtime.tokenizer import Tokenizer
+    from edge_agent.runtime.engines import open_tokenizer
 
     path = Path(args.model) if args.model else default_model_path()
     text = _read_input(args.text)
-    with GGUFFile(path) as gguf:
-        tokenizer = Tokenizer.from_metadata(gguf.metadata, source=str(path))
+    tokenizer = open_tokenizer(args.engine, path)
     if args.decode:
-        out = tokenizer.decode(_parse_ids(text, tokenizer.vocab_size))
+        out = tokenizer.detokenize(_parse_ids(text, tokenizer.vocab_size))
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n" if args.json else out)
         return 0
     if args.chat:

@@ -27,6 +27,7 @@ from edge_agent.journal.errors import (
     JournalMissingError,
     JournalUnavailableError,
     JournalVersionError,
+    NotAJournalError,
     StateDirBusyError,
 )
 from edge_agent.journal.flashjobs import FlashJob, FlashJobs, FlashSector
@@ -44,7 +45,8 @@ from edge_agent.journal.store import JournaledRequest, JournalStore, PruneResult
 __all__ = [
     "DEFAULT_SYNC", "JOURNAL_FILE", "SYNC_MODES", "Journal", "QuarantineEvent",
     "check_integrity", "default_journal_path", "open_journal", "JournalConflictError",
-    "JournalError", "JournalMissingError", "JournalUnavailableError", "JournalVersionError",
+    "JournalError", "JournalMissingError", "NotAJournalError", "JournalUnavailableError",
+    "JournalVersionError",
     "StateDirBusyError", "StateDirLock", "FlashJob", "FlashJobs",
     "FlashSector", "FINISHED_STATES", "MIGRATIONS", "REQUEST_STATES", "Migrations",
     "RecoveryPlan", "Resumable", "cache_tokenizer", "load_cached_tokenizer", "recover",

@@ -47,7 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.journal._sqlite_utils import sqlite_utils
-from edge_agent.journal.errors import JournalError, JournalMissingError, JournalVersionError
+from edge_agent.journal.errors import (
+    JournalError,
+    JournalMissingError,
+    JournalVersionError,
+    NotAJournalError,
+)
 from edge_agent.journal.migrations import MIGRATIONS, Migrations
 from edge_agent.journal.quarantine import (
     QuarantineEvent,
@@ -205,10 +210,18 @@ def _open_readonly(path: Path, connect: Connect | None, t0: float) -> Journal:
                                                       isolation_level=None)))(str(path))
         conn.execute("PRAGMA query_only=ON")
         version = _version(conn, path, MIGRATIONS)
+        tables = {name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
         raise JournalError(f"journal {path}: cannot read it ({exc}). Hint: if the daemon is not "
                            "running, starting it checks the file and moves a corrupt one "
                            "aside.") from exc
+    if version == 0 or "requests" not in tables:  # an empty file, or another program's DB
+        conn.close()
+        what = (f"tables {', '.join(sorted(tables)[:5])}" if tables else "no tables")
+        raise NotAJournalError(f"{path} is not an edge-agent journal (SQLite schema version "
+                           f"{version}, {what}). Hint: point --journal at the daemon's journal "
+                           "(STATE_DIR/journal.sqlite3, or journal.path in its configuration).")
     db = sqlite_utils.Database(conn, execute_plugins=False)
     return Journal(path, db, synchronous="(set by the writer on each open)", readonly=True,
                    quarantined=None, open_seconds=time.monotonic() - t0,

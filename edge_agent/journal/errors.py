@@ -9,7 +9,7 @@ from __future__ import annotations
 from edge_agent.errors import EXIT_CONFIG, EdgeAgentError
 
 __all__ = ["JournalError", "JournalVersionError", "JournalConflictError", "JournalMissingError",
-           "JournalUnavailableError", "StateDirBusyError", "EXIT_TEMPFAIL"]
+           "NotAJournalError", "JournalUnavailableError", "StateDirBusyError", "EXIT_TEMPFAIL"]
 
 EXIT_TEMPFAIL = 75  # EX_TEMPFAIL: try again later (another daemon holds the state directory)
 
@@ -32,6 +32,11 @@ class JournalConflictError(JournalError, ValueError):
 
 class JournalMissingError(JournalError, FileNotFoundError):
     """A read-only open of a journal file that does not exist."""
+
+
+class NotAJournalError(JournalError):
+    """A read-only open of a SQLite file that is not an edge-agent journal (an empty file,
+    another program's database): a tool must not read it as one, nor write a journal into it."""
 
 
 class JournalUnavailableError(JournalError):

@@ -6,7 +6,7 @@ Two engines implement `EngineLike`:
   default wherever llama-cpp-python imports.
 - `numpy` (`runtime/engine.py`): weights prepared as f32/f16 and computed with numpy; the
   reference (checked against transformers) and the fallback where llama-cpp-python cannot be
-  built. llama-family GGUFs with Q4_0/Q4_1/Q8_0/F16/F32 tensors only.
+  built. llama-family GGUFs with F32/F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors only.
 
 Invariants owned here:
 - `resolve_engine` is the one place "auto" becomes a name: llamacpp when llama-cpp-python
