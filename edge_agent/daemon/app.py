@@ -92,7 +92,7 @@ ANSWER_GRACE_S = 5.0  # after the drain: time for connections to deliver their f
 CORE_RESTART_DELAYS_S = (0.2, 1.0, 3.0)  # pauses before restarting a model loop, per death
 CORE_RESTART_WINDOW_S = 600.0  # deaths counted within this; one more than the delays: exit 1
 EARLY_SPAWN_WAIT_S = 2.0  # startup: longest wait for the early runners to be spawned
-FLASH_GRACE_S = 20.0  # shutdown: a running flash job's time beyond the drain
+FLASH_GRACE_S = 10.0  # shutdown: a running flash job's time beyond the drain (and the answers)
 
 log = logging.getLogger(__name__)
 # a callback from these modules raising means the memory guard stopped working
