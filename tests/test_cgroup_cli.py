@@ -99,9 +99,11 @@ def test_apply_on_a_host_without_a_subtree_says_so(tmp_path: Path,
 @pytest.mark.parametrize("argv, code, needle", [
     (["apply"], 2, "--dry-run"),
     (["apply", "--dry-run", "--budget", "1G"], 2, "--budget given without --model"),
-    (["apply", "--dry-run", "--model", "m", "--budget", "lots"], 78,
+    # a bad flag value is a usage error (2), as --budget without --model is
+    (["apply", "--dry-run", "--model", "m", "--budget", "lots"], 2,
      "cgroup apply --budget 'lots'"),
-    (["apply", "--dry-run", "--model", "m", "--budget", "max"], 78, "no limit here"),
+    (["apply", "--dry-run", "--model", "m", "--budget", "max"], 2, "no limit here"),
+    (["apply", "--dry-run", "--model", "m", "--budget", "0"], 2, "would plan memory.max 0"),
     (["apply", "--dry-run", "--policy", "nope"], 78, "cgroup policy 'nope': not found"),
     (["apply", "--dry-run", "--model", "m"], 78, "needs the model's budget"),
     (["apply", "--dry-run", "--model", "Bad/Name", "--budget", "1G"], 1, "not a valid name"),

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from edge_agent.cgroup import CgroupManager, CgroupRoot, load_policy
 from edge_agent.cgroup.psi import PressureError, read_pressure
-from edge_agent.errors import ConfigError, UsageError
+from edge_agent.errors import UsageError
 from edge_agent.sizes import parse_size
 
 __all__ = ["register", "run_show", "run_apply", "manager_for"]
@@ -108,9 +108,12 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.budget is not None:
         try:
             budget = parse_size(args.budget, allow_max=False)
-        except ValueError as exc:
-            raise ConfigError(f"cgroup apply --budget {args.budget!r}: {exc}. Hint: e.g. "
-                              "--budget 700M.") from None
+        except ValueError as exc:  # a flag, not the configuration: usage (exit 2)
+            raise UsageError(f"cgroup apply --budget {args.budget!r}: {exc}. Hint: e.g. "
+                             "--budget 700M.") from None
+        if budget <= 0:
+            raise UsageError(f"cgroup apply --budget {args.budget!r}: a budget of 0 bytes would "
+                             "plan memory.max 0 for the runner. Hint: e.g. --budget 700M.")
     policy = load_policy(args.policy)
     mgr = manager_for(args)
     ops = mgr.plan_setup(policy)
