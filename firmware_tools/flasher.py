@@ -73,7 +73,7 @@ class FlashResult:
     went: bool = False
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
-    journal: str | None = None
+    journal: str | None = None  # the progress file while it exists (None once the job is done)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -304,6 +304,7 @@ def flash_elf(
             bl.go(image.base)
             result.went = True
         journal.done()
+        result.journal = None  # done: the progress file is gone, nothing to resume
         report(total, total, "done")
     finally:
         if isinstance(port_url, str):

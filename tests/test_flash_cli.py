@@ -120,3 +120,24 @@ def test_failures_with_json_print_one_json_document(fw: firmware.FirmwareBuilder
     assert main(["flash", "check", str(fw.elf()), "--board", "nosuchboard", "--json"]) == 78
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and "nosuchboard" in doc["error"]["message"]
+
+
+def test_ctrl_c_during_a_flash_is_130_and_names_resume(fw: firmware.FirmwareBuilder,
+                                                       tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = f"stm32sim://?chip=f405&state={tmp_path / 'f.bin'}&baud=9600"  # seconds per sector
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge_agent", "--state-dir", str(tmp_path / "state"), "flash",
+         str(fw.elf("big")), "--board", "stm32f405", "--port", url, "--local"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "run the same command with --resume to finish it" in err, err

@@ -45,7 +45,7 @@ def test_flash_writes_verifies_and_goes(fw: firmware.FirmwareBuilder, tmp_path: 
     assert result.bytes_written == result.bytes_verified == len(image)
     assert result.went and result.chip_id == 0x413 and result.erase_command == 0x44
     assert result.to_dict()["base"] == "0x08000000"
-    assert not Path(result.journal or "").exists()  # removed once the job completed
+    assert result.journal is None  # the progress file is removed once the job completed
     phases = [p for _, _, p in events]
     assert {"read", "erase", "write", "verify"} <= set(phases) and phases[-1] == "done"
     dones = [d for d, _, _ in events]

@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
         if args.target == "read":
             return _run_read(args)
         return _run_flash(args)
+    except KeyboardInterrupt:
+        if args.target not in ("check", "read") and not args.dry_run:
+            print("edge-agent: the flash was interrupted; run the same command with --resume to "
+                  "finish it (verified sectors are kept)", file=sys.stderr)
+        raise
     except Exception as exc:
         # --json: a failure is a JSON document too ({"ok": false, "error": ...}), so a script
         # reads one shape; the message still goes to stderr and the exit code is unchanged
