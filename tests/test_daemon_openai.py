@@ -305,6 +305,11 @@ def test_chat_logprobs_stop_cut_and_include_usage(client: openai.OpenAI) -> None
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == cut.usage.completion_tokens  # type: ignore
     assert chunks[-1].usage.prompt_tokens == cut.usage.prompt_tokens  # type: ignore[union-attr]
+    # the streamed usage has prompt_tokens_details as the whole reply's has (the same prompt
+    # again: the llama.cpp engine's prompt cache holds some of it, the numpy engine none)
+    details = chunks[-1].usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert details is not None and isinstance(details.cached_tokens, int)
+    assert 0 <= details.cached_tokens <= cut.usage.prompt_tokens  # type: ignore[union-attr]
     assert all(ch.usage is None and ch.choices for ch in chunks[:-1])
     comp = list(client.completions.create(model="smollm2", prompt="Hi", max_tokens=3,
                                           stream=True, stream_options={"include_usage": True}))

@@ -111,7 +111,7 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None) -> int:
         except ValueError as exc:  # a flag, not the configuration: usage (exit 2)
             raise UsageError(f"cgroup apply --budget {args.budget!r}: {exc}. Hint: e.g. "
                              "--budget 700M.") from None
-        if budget <= 0:
+        if budget is None or budget <= 0:
             raise UsageError(f"cgroup apply --budget {args.budget!r}: a budget of 0 bytes would "
                              "plan memory.max 0 for the runner. Hint: e.g. --budget 700M.")
     policy = load_policy(args.policy)

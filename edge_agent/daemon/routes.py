@@ -261,7 +261,8 @@ class Router:
                     logprobs=self._logprobs(rec, sent, rec.logprobs_released), **common))
                 if usage:
                     yield sse_event(usage_chunk(prompt_tokens=rec.prompt_tokens,
-                                                completion_tokens=len(rec.tokens), **common))
+                                                completion_tokens=len(rec.tokens),
+                                                cached_tokens=rec.cached_tokens, **common))
             yield SSE_DONE
         finally:
             if not rec.done.is_set():

@@ -1178,8 +1178,9 @@ def completion_chunk(
 
 
 def usage_chunk(*, rid: str, model: str, created: int, chat: bool, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
-    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage
+    (the whole reply's, `prompt_tokens_details` included)."""
     return {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -1190,6 +1191,7 @@ def usage_chunk(*, rid: str, model: str, created: int, chat: bool, prompt_tokens
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
     }
 
