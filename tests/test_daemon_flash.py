@@ -409,3 +409,25 @@ def _q(text: str) -> str:
     from urllib.parse import quote
 
     return quote(text, safe="")
+
+
+def test_a_flash_port_pyserial_cannot_use_stops_the_start_with_78() -> None:
+    # an unknown scheme in flash.ports is the configuration's fault: said at start, naming
+    # it, not as a failed job on the first flash
+    root = Path(tempfile.mkdtemp(prefix="ea-fl3-", dir="/tmp"))
+    try:
+        cfg = root / "config.toml"
+        cfg.write_text(
+            f'[server]\nsocket = "{root / "ea.sock"}"\nstate_dir = "{root / "state"}"\n'
+            '[models.smollm2]\npreload = false\n'
+            f'[flash]\nports = "{sim_port(root, "owned")}, bogus://x"\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
+        r = subprocess.run([sys.executable, *serve_argv(cfg)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 78, r.stderr
+        assert "flash.ports: 'bogus://x': pyserial cannot use it" in r.stderr
+        assert "Hint:" in r.stderr and "listening on" not in r.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

@@ -552,6 +552,7 @@ class Daemon:
             if resumed:
                 log.info(f"journal: {resumed} request(s) re-queued")
         srv = self.config.server
+        self.flash.check_ports(self.config.flash.port_list())  # before clients can connect
         activated = listen_fds(self.env)
         for sock in activated:
             await self.http.adopt(sock)

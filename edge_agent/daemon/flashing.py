@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from edge_agent.errors import (
     UPLOADED_ELF,
     BoardProfileError,
+    ConfigError,
     FlashBusy,
     FlashJobNotFound,
     PortNotOwned,
@@ -265,6 +266,28 @@ class FlashService:
 
         ident = port_identity(port)
         return next((p for p in self.owned_ports() if port_identity(p) == ident), None)
+
+    @staticmethod
+    def check_ports(ports: Sequence[str]) -> None:
+        """flash.ports at start: a URL pyserial cannot even parse (an unknown scheme) is a
+        configuration error naming it (exit 78), not a job failure later. Nothing is opened:
+        a device that is absent now may be plugged in before its first job."""
+        if not ports:
+            return
+        import serial
+
+        from firmware_tools.urlhandler import register
+
+        register()  # stm32sim://
+        for url in ports:
+            try:
+                serial.serial_for_url(url, do_not_open=True)
+            except (ValueError, serial.SerialException) as exc:
+                raise ConfigError(
+                    f"flash.ports: {url!r}: pyserial cannot use it ({exc}). Hint: a device "
+                    "path like /dev/ttyUSB0 or /dev/serial/by-id/..., or a URL like "
+                    "socket://HOST:PORT, rfc2217://HOST:PORT or stm32sim://?chip=f405.") \
+                    from None
 
     def body_limit(self) -> int:
         """The largest POST /v1/flash body: an ELF of `upload_limit()` bytes base64-encoded,
