@@ -74,6 +74,8 @@ def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 
                 "daemon (serial.port or flash.ports), run the flash without --local so the "
                 "daemon does it, or stop the daemon first."
             ) from exc
+        if "Hint:" in str(exc):  # the simulator's own option errors say what to do already
+            raise LinkError(f"opening serial port {url!r} failed: {exc}") from exc
         raise LinkError(
             f"opening serial port {url!r} at {baud} baud 8{parity}1 failed: {exc}. "
             "Hint: check the port name (`ls /dev/serial/by-id/`), that no other program holds "

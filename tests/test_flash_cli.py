@@ -81,6 +81,7 @@ def test_faults_end_with_exit_1_and_a_reason(fw: firmware.FirmwareBuilder, tmp_p
         assert flash(tmp_path, fw.elf(), url) == 1, url
         err = capsys.readouterr().err
         assert err.startswith("edge-agent: error: ") and reason in err and "Hint:" in err, err
+        assert err.count("Hint:") == 1, err  # one hint, the one that applies
 
 
 def test_flash_read(fw: firmware.FirmwareBuilder, tmp_path: Path,
