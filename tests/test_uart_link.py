@@ -597,6 +597,16 @@ def test_machine_client_generate_cancel_status_and_naks() -> None:
         peer.send(fr.encode_frame(fr.FrameType.CANCEL, 99))
         err = (await peer.frames(1))[0]
         assert fr.unpack_reason(err.payload)[0] == fr.ErrorCode.NOT_FOUND
+        # a malformed CANCEL or RESUME is that, whatever its id names (known or not)
+        for rid in (7, 99):
+            peer.send(fr.encode_frame(fr.FrameType.RESUME, rid, b"\x01"))
+            nak = (await peer.frames(1))[0]
+            assert nak.type == fr.FrameType.NAK and nak.rid == rid
+            assert fr.unpack_reason(nak.payload)[0] == fr.NakReason.BAD_PAYLOAD
+            peer.send(fr.encode_frame(fr.FrameType.CANCEL, rid, b"\x00\x01"))
+            nak = (await peer.frames(1))[0]
+            assert fr.unpack_reason(nak.payload) == (fr.NakReason.BAD_PAYLOAD,
+                                                     "CANCEL takes no payload, got 2 bytes")
         # cancel a running request
         backend.delay = 0.02
         peer.send(gen_frame(6, max_tokens=500))
@@ -612,7 +622,7 @@ def test_machine_client_generate_cancel_status_and_naks() -> None:
         assert st.type == fr.FrameType.STATUS_REPLY
         status = json.loads(st.payload)
         assert status["state"] == "ready" and status["link"]["bad_crc"] == 1
-        assert status["link"]["naks"] == 3 and status["link"]["frames_ok"] >= 6
+        assert status["link"]["naks"] == 7 and status["link"]["frames_ok"] >= 6  # 3 + the 4 above
         peer.close()
         await t.close()
         os.close(master)

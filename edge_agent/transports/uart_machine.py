@@ -151,6 +151,17 @@ class MachineSession:
             self._send(fr.FrameType.ACK, f.rid)
             self._stream_frames(f.rid, rid, 0)
         elif t in (fr.FrameType.CANCEL, fr.FrameType.RESUME):
+            # the frame itself first (a malformed one is malformed whatever its id names)
+            if t == fr.FrameType.CANCEL and f.payload:
+                self.nak(f.rid, fr.NakReason.BAD_PAYLOAD,
+                         f"CANCEL takes no payload, got {len(f.payload)} bytes")
+                return
+            if t == fr.FrameType.RESUME:
+                try:
+                    start = fr.unpack_resume(f.payload)
+                except ValueError as exc:
+                    self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+                    return
             if f.rid not in self._rids:
                 self._error(f.rid, "not_found", f"no request with id {f.rid} on this port. "
                             "Hint: ids are kept for the last 256 GENERATE frames.")
@@ -159,11 +170,6 @@ class MachineSession:
             if t == fr.FrameType.CANCEL:
                 self.backend.cancel(rid)
                 self._send(fr.FrameType.ACK, f.rid)
-                return
-            try:
-                start = fr.unpack_resume(f.payload)
-            except ValueError as exc:
-                self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
                 return
             self._send(fr.FrameType.ACK, f.rid)
             self._stream_frames(f.rid, rid, start)
