@@ -137,7 +137,13 @@ def test_ctrl_c_during_a_flash_is_130_and_names_resume(fw: firmware.FirmwareBuil
         [sys.executable, "-m", "edge_agent", "--state-dir", str(tmp_path / "state"), "flash",
          str(fw.elf("big")), "--board", "stm32f405", "--port", url, "--local"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    time.sleep(2.0)
+    # the simulator's flash file appears when the port opens: the flash is under way then
+    # (a fixed sleep could land in the interpreter's start on a loaded machine)
+    end = time.monotonic() + 60
+    while not (tmp_path / "f.bin").exists():
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
