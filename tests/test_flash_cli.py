@@ -133,18 +133,22 @@ def test_ctrl_c_during_a_flash_is_130_and_names_resume(fw: firmware.FirmwareBuil
 
     url = f"stm32sim://?chip=f405&state={tmp_path / 'f.bin'}&baud=9600"  # seconds per sector
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edge_agent", "--state-dir", str(tmp_path / "state"), "flash",
-         str(fw.elf("big")), "--board", "stm32f405", "--port", url, "--local"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    # the simulator's flash file appears when the port opens: the flash is under way then
-    # (a fixed sleep could land in the interpreter's start on a loaded machine)
-    end = time.monotonic() + 60
-    while not (tmp_path / "f.bin").exists():
-        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
-        time.sleep(0.05)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    with subprocess.Popen(  # closed (and killed if need be) whatever happens
+            [sys.executable, "-m", "edge_agent", "--state-dir", str(tmp_path / "state"), "flash",
+             str(fw.elf("big")), "--board", "stm32f405", "--port", url, "--local"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            # the simulator's flash file appears when the port opens: the flash is under way
+            # then (a fixed sleep could land in the interpreter's start on a loaded machine)
+            end = time.monotonic() + 60
+            while not (tmp_path / "f.bin").exists():
+                assert proc.poll() is None and time.monotonic() < end
+                time.sleep(0.05)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 130, (out, err)
     assert "run the same command with --resume to finish it" in err, err
