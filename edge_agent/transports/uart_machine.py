@@ -20,7 +20,7 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.protocol import frames as fr
@@ -28,6 +28,7 @@ from edge_agent.protocol.frame_ext import SAMPLING_EXTRAS
 from edge_agent.transports.backend import Backend, BackendError, Done, GenParams, Token
 
 __all__ = ["MachineSession"]
+_P = TypeVar("_P")
 
 ERROR_CODES = {
     "invalid_request": fr.ErrorCode.BAD_REQUEST, "context_exceeded": fr.ErrorCode.BAD_REQUEST,
@@ -119,14 +120,21 @@ class MachineSession:
         err = ERROR_CODES.get(code, fr.ErrorCode.FAILED)
         self._send(fr.FrameType.ERROR, rid, fr.pack_error(err, message))
 
+    def _unpacked(self, f: fr.Frame, unpack: Callable[[bytes], _P]) -> tuple[_P] | None:
+        """(`unpack(f.payload)`,), or None after a NAK naming what is malformed."""
+        try:
+            return (unpack(f.payload),)
+        except ValueError as exc:
+            self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+            return None
+
     def handle(self, f: fr.Frame) -> None:
         t = f.type
         if t == fr.FrameType.GENERATE:
-            try:
-                g = fr.unpack_generate(f.payload)
-            except ValueError as exc:
-                self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
+            got = self._unpacked(f, fr.unpack_generate)
+            if got is None:
                 return
+            g = got[0]
             prompt: str | list[dict[str, str]] = (
                 [{"role": "user", "content": g.prompt}] if g.chat else g.prompt)
             params = self._params(f, g)
@@ -156,12 +164,9 @@ class MachineSession:
                 self.nak(f.rid, fr.NakReason.BAD_PAYLOAD,
                          f"CANCEL takes no payload, got {len(f.payload)} bytes")
                 return
-            if t == fr.FrameType.RESUME:
-                try:
-                    start = fr.unpack_resume(f.payload)
-                except ValueError as exc:
-                    self.nak(f.rid, fr.NakReason.BAD_PAYLOAD, str(exc))
-                    return
+            resume = self._unpacked(f, fr.unpack_resume) if t == fr.FrameType.RESUME else (0,)
+            if resume is None:
+                return
             if f.rid not in self._rids:
                 self._error(f.rid, "not_found", f"no request with id {f.rid} on this port. "
                             "Hint: ids are kept for the last 256 GENERATE frames.")
@@ -172,7 +177,7 @@ class MachineSession:
                 self._send(fr.FrameType.ACK, f.rid)
                 return
             self._send(fr.FrameType.ACK, f.rid)
-            self._stream_frames(f.rid, rid, start)
+            self._stream_frames(f.rid, rid, resume[0])
         elif t == fr.FrameType.SCHEMA:
             self._schema(f)
         elif t == fr.FrameType.STATUS:
