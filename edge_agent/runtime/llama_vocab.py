@@ -304,14 +304,18 @@ class LlamaVocab:
         cached = self._bytes[self._check_id(token_id)]
         if cached is not None:
             return cached
-        buf = ctypes.create_string_buffer(64)
-        n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, False)
-        raw = buf.raw[:n]
+        raw = self._piece(token_id, special=False)
         self._bytes[token_id] = raw
         return raw
+
+    def _piece(self, token_id: int, *, special: bool) -> bytes:
+        """llama.cpp's bytes for one (checked) id; `special`: control tokens as their text."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, special)
+        return buf.raw[:n]
 
     def token_text(self, token_id: int) -> str:
         text: bytes = self._lib.llama_vocab_get_text(self._vocab, self._check_id(token_id))
@@ -326,18 +330,8 @@ class LlamaVocab:
         """Text of the ids with control tokens as their text (`<|im_start|>`), as
         llama-server's /detokenize gives it; `decode` renders them as nothing, as a
         completion's text does."""
-        out = bytearray()
-        buf = ctypes.create_string_buffer(256)
-        for t in ids:
-            n = self._lib.llama_token_to_piece(self._vocab, self._check_id(t), buf, len(buf), 0,
-                                               True)
-            if n < 0:
-                big = ctypes.create_string_buffer(-n)
-                n = self._lib.llama_token_to_piece(self._vocab, t, big, len(big), 0, True)
-                out += big.raw[:n]
-            else:
-                out += buf.raw[:n]
-        return out.decode("utf-8", "replace")
+        return b"".join(self._piece(self._check_id(t), special=True)
+                        for t in ids).decode("utf-8", "replace")
 
     @property
     def fingerprint(self) -> str:
