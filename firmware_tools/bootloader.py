@@ -34,6 +34,7 @@ from firmware_tools.bootloader_errors import (
     NackError,
     ReadoutProtectedError,
 )
+from firmware_tools.errors import FirmwareError
 from firmware_tools.link import Timeouts
 
 __all__ = [
@@ -74,7 +75,7 @@ def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 
                 "daemon (serial.port or flash.ports), run the flash without --local so the "
                 "daemon does it, or stop the daemon first."
             ) from exc
-        if "Hint:" in str(exc):  # the simulator's own option errors say what to do already
+        if isinstance(exc.__cause__, FirmwareError):  # the simulator's errors carry their hint
             raise LinkError(f"opening serial port {url!r} failed: {exc}") from exc
         raise LinkError(
             f"opening serial port {url!r} at {baud} baud 8{parity}1 failed: {exc}. "

@@ -259,7 +259,8 @@ def flash_elf(
             result.erased.extend(to_erase)
             journal.mark_many(to_erase, "erased")
         # 3. Write and read back, sector by sector.
-        for job, todo in work:
+        def write_and_verify(job: SectorJob, todo: tuple[tuple[int, bytes], ...]) -> None:
+            nonlocal done
             index, size = job.sector.index, job.size
             # Per-block bookkeeping runs while the next command is on the wire (_Steps).
             half = size // 2
@@ -270,6 +271,9 @@ def flash_elf(
             _verify(bl, job.check, index, steps)
             journal.mark(index, "verified")
             done += size
+
+        for job, todo in work:
+            write_and_verify(job, todo)
         # 4. Sectors an interrupted run finished: read back once. One that no longer holds the
         #    image (written to since, by another tool or a program) is erased and written
         #    again now, not failed on every --resume.
@@ -292,14 +296,7 @@ def flash_elf(
             result.resumed = [i for i in result.resumed if i not in indexes]
             journal.mark_many(indexes, "erased")
             for job in changed:
-                half = job.size // 2
-                bl.write_blocks(job.write, _Steps(result, True, job.write, progress, done, half,
-                                                  total))
-                _verify(bl, job.check, job.sector.index,
-                        _Steps(result, False, job.check, progress, done + half,
-                               job.size - half, total))
-                journal.mark(job.sector.index, "verified")
-                done += job.size
+                write_and_verify(job, job.write)
         if go:
             bl.go(image.base)
             result.went = True
