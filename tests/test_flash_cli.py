@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import firmware
+import interrupt
 import pytest
 
 from edge_agent.cli import main
@@ -125,18 +126,17 @@ def test_failures_with_json_print_one_json_document(fw: firmware.FirmwareBuilder
 
 def test_ctrl_c_during_a_flash_is_130_and_names_resume(fw: firmware.FirmwareBuilder,
                                                        tmp_path: Path) -> None:
-    import os
     import signal
     import subprocess
     import sys
     import time
 
     url = f"stm32sim://?chip=f405&state={tmp_path / 'f.bin'}&baud=9600"  # seconds per sector
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
     with subprocess.Popen(  # closed (and killed if need be) whatever happens
             [sys.executable, "-m", "edge_agent", "--state-dir", str(tmp_path / "state"), "flash",
              str(fw.elf("big")), "--board", "stm32f405", "--port", url, "--local"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=interrupt.env(),
+            preexec_fn=interrupt.foreground) as proc:
         try:
             # the simulator's flash file appears when the port opens: the flash is under way
             # then (a fixed sleep could land in the interpreter's start on a loaded machine)
@@ -146,7 +146,7 @@ def test_ctrl_c_during_a_flash_is_130_and_names_resume(fw: firmware.FirmwareBuil
                 time.sleep(0.05)
             time.sleep(0.5)
             proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
+            out, err = interrupt.finish(proc, 60)
         finally:
             if proc.poll() is None:
                 proc.kill()
