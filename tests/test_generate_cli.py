@@ -22,11 +22,17 @@ def _run(state, *argv, capsys, local=True, engine="numpy"):
 
 
 def test_stdout_is_exactly_the_completion(prepared_state_dir, tokenizer, reference_logits):
+    import os
+
     expected = tokenizer.decode(reference_logits["story__generated_ids"][:8].tolist())
+    # no --engine: --local runs the configured runtime.engine (numpy here, from the
+    # environment), as the daemon would; its f32 weights are the size that tells
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
     proc = subprocess.run(
         [sys.executable, "-m", "edge_agent", "--state-dir", str(prepared_state_dir),
-         "generate", "--local", "--engine", "numpy", "--max-tokens", "8", STORY],
+         "generate", "--local", "--max-tokens", "8", STORY],
         capture_output=True, text=True, timeout=120,
+        env={**env, "EDGE_AGENT_RUNTIME__ENGINE": "numpy"},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected

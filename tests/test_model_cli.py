@@ -265,7 +265,8 @@ def test_info_gemma3_k_quants_spm_and_no_template(gemma3_path: Path, tmp_path: P
 
 
 def test_info_names_the_engine_and_whether_it_can_run_the_model(
-        gemma3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        gemma3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from edge_agent.runtime.engines import resolve_engine
 
     state = ["--state-dir", str(tmp_path), "model", "info", str(gemma3_path)]
@@ -284,6 +285,13 @@ def test_info_names_the_engine_and_whether_it_can_run_the_model(
                                     "only, not gemma3. Hint: use --engine llamacpp")
     rc, out, _ = _run(capsys, *state, "--engine", "llamacpp")
     assert rc == 0 and _rows(out)["engine"] == "llamacpp"
+    # no --engine: the configured runtime.engine, as the daemon would run it
+    monkeypatch.setenv("EDGE_AGENT_RUNTIME__ENGINE", "numpy")
+    rc, out, _ = _run(capsys, *state, "--json")
+    assert json.loads(out)["engine"]["requested"] == "numpy"
+    rc, out, _ = _run(capsys, *state, "--engine", "auto", "--json")
+    assert json.loads(out)["engine"]["requested"] == "auto"
+    monkeypatch.delenv("EDGE_AGENT_RUNTIME__ENGINE")
     with pytest.raises(SystemExit) as e:
         _run(capsys, *state, "--engine", "tpu")
     assert e.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err

@@ -95,6 +95,15 @@ def configured(args: argparse.Namespace, config: str | None = None) -> Config:
                        flags={"server.state_dir": "--state-dir"})
 
 
+def engine_for(args: argparse.Namespace, config: Config | None = None) -> str:
+    """--engine, else runtime.engine from the configuration (`config`, else `configured`;
+    itself "auto" by default): a command that runs or describes a model in this process
+    picks the daemon's engine."""
+    if args.engine:
+        return str(args.engine)
+    return (config or configured(args)).runtime.engine
+
+
 def client_for(args: argparse.Namespace) -> DaemonClient:
     return DaemonClient(daemon_socket(args), timeout=args.timeout)
 

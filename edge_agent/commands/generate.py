@@ -75,9 +75,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="compute threads (default: llamacpp the cores this process may use, "
                    "numpy 1)")
-    p.add_argument("--engine", choices=ENGINES, default="auto",
+    p.add_argument("--engine", choices=ENGINES,
                    help="compute engine with --local: llamacpp, numpy, or auto (llamacpp when "
-                   "llama-cpp-python is installed; default)")
+                   "llama-cpp-python is installed); default: runtime.engine from the "
+                   "configuration, itself auto")
     p.add_argument("--local", action="store_true",
                    help="load the model in this process instead of asking the daemon (another "
                    "copy in RAM if a daemon runs)")
@@ -153,13 +154,15 @@ def run(args: argparse.Namespace) -> int:
     why = "--local" if args.local else f"--model {args.model}"
     print(f"edge-agent: loading the model in this process ({why}), not using a daemon",
           file=sys.stderr)
-    from edge_agent.commands.client import configured
+    from edge_agent.commands.client import configured, engine_for
 
+    config = configured(args)
     generate_local(
         prompt, params, model=Path(args.model) if args.model else None,
-        state=Path(configured(args).server.state_dir), chat=args.chat, dtype=args.dtype,
+        state=Path(config.server.state_dir), chat=args.chat, dtype=args.dtype,
         mlock=args.mlock,
-        threads=args.threads, verbose=args.verbose, engine=args.engine,
+        threads=args.threads, verbose=args.verbose,
+        engine=engine_for(args, config),
     )
     return EXIT_OK
 

@@ -89,9 +89,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         description="Describe a GGUF model, the engine that would run it and "
                         "the state of its prepared files.")
     common(p, dtype=False)
-    p.add_argument("--engine", choices=ENGINES, default="auto",
+    p.add_argument("--engine", choices=ENGINES,
                    help="the engine to report on: llamacpp, numpy, or auto (llamacpp when "
-                   "llama-cpp-python is installed; runtime.engine's default)")
+                   "llama-cpp-python is installed); default: runtime.engine from the "
+                   "configuration, itself auto")
     p.set_defaults(func=run_info)
 
     p = msub.add_parser("pin", help="map and lock the prepared weights once, report VmLck",
@@ -308,7 +309,9 @@ def describe_model(src: Path, state: Path, engine: str = "auto") -> dict[str, An
 
 
 def run_info(args: argparse.Namespace) -> int:
-    info = describe_model(_source(args), _state(args), engine=args.engine)
+    from edge_agent.commands.client import engine_for
+
+    info = describe_model(_source(args), _state(args), engine=engine_for(args))
     if args.json:
         print(json.dumps(info))
         return EXIT_OK
