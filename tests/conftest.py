@@ -88,10 +88,11 @@ import gguf as _gguf  # noqa: E402  (test-only oracle and writer)
 _Q = _gguf.GGMLQuantizationType
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0, version: int | None = None
-                    ) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, *, seed: int = 0, version: int | None = None,
+                    strings: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """A small llama-flavoured GGUF with F32, F16, Q8_0, Q4_0 and Q4_1 tensors and tokenizer
-    metadata. Returns {name: float32 values the file holds (after quantization)}."""
+    metadata, plus the string keys `strings`. Returns {name: float32 values the file holds
+    (after quantization)}."""
     rng = np.random.default_rng(seed)
     specs = {
         "token_embd.weight": ((64, 32), _Q.Q8_0),
@@ -117,6 +118,8 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, version: int | None = None
     writer.add_eos_token_id(2)
     writer.add_bool("test.flag", True)
     writer.add_array("test.ints", [1, -2, 3])
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
     expected: dict[str, np.ndarray] = {}
     for name, (shape, qtype) in specs.items():
         values = rng.standard_normal(shape).astype(np.float32)

@@ -303,6 +303,27 @@ def test_info_names_the_engine_and_whether_it_can_run_the_model(
         f"{auto} (auto: llama-cpp-python {'is' if auto == 'llamacpp' else 'is not'} installed)")
 
 
+def test_info_says_the_numpy_engine_cannot_run_a_llama_variant(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import write_tiny_gguf
+
+    # llama, every tensor a type the numpy engine dequantizes: it runs the plain file, and
+    # model info refuses a YaRN-scaled copy for the reason the numpy load would give
+    plain, yarn = tmp_path / "plain.gguf", tmp_path / "yarn.gguf"
+    write_tiny_gguf(plain)
+    write_tiny_gguf(yarn, strings={"llama.rope.scaling.type": "yarn"})
+    state = ["--state-dir", str(tmp_path), "model", "info", "--engine", "numpy", "--json"]
+    rc, out, _ = _run(capsys, *state, str(plain))
+    assert rc == 0 and json.loads(out)["engine"]["can_run"] is True, out
+    rc, out, _ = _run(capsys, *state, str(yarn))
+    assert rc == 0 and json.loads(out)["engine"] == {
+        "requested": "numpy", "name": "numpy", "can_run": False,
+        "problem": "the numpy engine runs plain llama only (full RoPE, no scaling, GQA), not "
+                   "this variant: rope.scaling.type 'yarn'"}
+    rc, out, _ = _run(capsys, *state[:-1], str(yarn))
+    assert "CANNOT run this model: the numpy engine runs plain llama only" in out, out
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "phi3"])
 def test_info_tiny_random_weight_archs(arch: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -247,17 +247,21 @@ def _prepared_state(src: Path, state: Path, dtype: str, sha: str) -> dict[str, A
     return entry
 
 
-def _engine(requested: str, arch: str, undequantized: list[str]) -> dict[str, Any]:
-    """The engine `requested` resolves to here, and whether it can run this model."""
-    from edge_agent.runtime.model_config import SUPPORTED_ARCHITECTURES
+def _engine(requested: str, meta: dict[str, Any], undequantized: list[str]) -> dict[str, Any]:
+    """The engine `requested` resolves to here, and whether it can run this model (for the
+    numpy engine: the checks its load makes, on the metadata alone)."""
+    from edge_agent.runtime.model_config import ModelConfig, UnsupportedModel
 
     name = resolve_engine(requested)
     problem = None
     if name == "numpy":
-        if arch not in SUPPORTED_ARCHITECTURES:
-            problem = (f"the numpy engine runs {', '.join(SUPPORTED_ARCHITECTURES)} only, "
-                       f"not {arch}")
-        elif undequantized:
+        try:
+            ModelConfig.from_metadata(meta)
+        except UnsupportedModel as exc:
+            problem = exc.reason
+        except ModelFileError as exc:
+            problem = str(exc)
+        if problem is None and undequantized:
             problem = f"the numpy engine cannot dequantize {', '.join(undequantized)}"
     return {"requested": requested, "name": name, "can_run": problem is None,
             "problem": problem}
@@ -283,7 +287,7 @@ def describe_model(src: Path, state: Path, engine: str = "auto") -> dict[str, An
         sizes = {d: prepared_size(g, d) for d in DTYPES}
         out = {
             "path": str(src), "name": meta.get("general.name"), "architecture": arch,
-            "engine": _engine(engine, arch, undequantized),
+            "engine": _engine(engine, meta, undequantized),
             "gguf_version": g.version, "file_bytes": g.size, "tensor_count": len(g.tensors),
             "parameters": sum(params.values()), "tensor_bytes": sum(nbytes.values()),
             "prepared_bytes": sizes,

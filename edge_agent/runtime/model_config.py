@@ -1,8 +1,10 @@
 """The model's hyper-parameters, read from GGUF metadata, and the tensor shapes they imply.
 
 Invariants this module owns:
-- Only plain llama (full RoPE, no scaling, GQA allowed) is accepted; anything else is a
-  ModelFileError naming the key or the variant, with a hint.
+- Only plain llama (full RoPE, no scaling, GQA allowed) is accepted; another architecture or
+  variant is an UnsupportedModel (a ModelFileError) naming the key or the variant, with a
+  hint, and a missing key is a ModelFileError naming it. `model info` reports the numpy
+  engine's verdict from the same checks.
 - `tensor_shapes` is the one statement of what the forward expects of every tensor.
 """
 
@@ -14,9 +16,17 @@ from typing import Any
 
 from edge_agent.errors import ModelFileError
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedModel"]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class UnsupportedModel(ModelFileError):
+    """A well-formed GGUF the numpy forward cannot run; `reason` says why in one clause."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -37,10 +47,11 @@ class ModelConfig:
         where = f"{source}: " if source else ""
         arch = metadata.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelFileError(
+            raise UnsupportedModel(
                 f"{where}architecture {arch!r} (general.architecture) is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}). Hint: use a llama-family "
-                "GGUF such as SmolLM2, TinyLlama or Llama 3."
+                "GGUF such as SmolLM2, TinyLlama or Llama 3.",
+                f"the numpy engine runs {', '.join(SUPPORTED_ARCHITECTURES)} only, not {arch}",
             )
 
         def get(key: str, default: Any = None) -> Any:
@@ -77,9 +88,11 @@ class ModelConfig:
         if scaling not in ("none", None):
             problems.append(f"rope.scaling.type {scaling!r}")
         if problems:
-            raise ModelFileError(
+            raise UnsupportedModel(
                 f"{where}unsupported llama variant: {'; '.join(problems)}. Hint: edge-agent's "
-                "numpy forward supports plain llama (full RoPE, no scaling, GQA)."
+                "numpy forward supports plain llama (full RoPE, no scaling, GQA).",
+                "the numpy engine runs plain llama only (full RoPE, no scaling, GQA), not this "
+                f"variant: {'; '.join(problems)}",
             )
         return cls(
             n_layers=int(get("block_count")),
