@@ -19,7 +19,7 @@ Invariants this module owns:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from firmware_tools import an3155
@@ -55,18 +55,24 @@ def _register_sim() -> None:
     register()
 
 
-def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 1.0) -> Any:
-    """Open `url` with pyserial (8 data bits, `parity`, 1 stop bit); `stm32sim://` included."""
+def open_port(url: str, baud: int = 115200, parity: str = "E", timeout: float = 1.0,
+              levels: Mapping[str, bool] | None = None) -> Any:
+    """Open `url` with pyserial (8 data bits, `parity`, 1 stop bit); `stm32sim://` included.
+    `levels` sets `dtr`/`rts` before the open (pyserial asserts both otherwise)."""
     import serial
 
     _register_sim()
     try:
         # exclusive: a tty held by another program (the daemon's UART console, another
         # flasher) is refused here instead of two talkers corrupting each other's bytes
-        return serial.serial_for_url(
+        port = serial.serial_for_url(
             url, baudrate=baud, parity=parity, bytesize=8, stopbits=1, timeout=timeout,
-            exclusive=True,
+            exclusive=True, do_not_open=True,
         )
+        for line, level in (levels or {}).items():
+            setattr(port, line, level)
+        port.open()
+        return port
     except (serial.SerialException, ValueError, OSError) as exc:
         if "exclusively lock" in str(exc):
             raise LinkError(

@@ -12,6 +12,10 @@ Invariants this module owns:
   back once at the end), continues an `erased` sector without erasing it again when its unwritten
   blocks still read 0xFF; without that job's progress it says so and reads before erasing.
 - Go (jump to the image base) is sent only after everything verified.
+- With `[reset] method = "dtr-rts"` the chip is reset into its bootloader through the
+  adapter's modem lines before the sync, BOOT0 is released before Go (the next reset boots
+  the image), and `read_flash` resets it back into its application when done
+  (firmware_tools/reset_lines.py).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from firmware_tools.bootloader import Bootloader, Timeouts, open_port
+from firmware_tools.bootloader import Bootloader, BootloaderTimeout, Timeouts, open_port
 from firmware_tools.errors import FlashError
 from firmware_tools.progress import SectorMarked, SectorProgress, journal_path, port_identity
+from firmware_tools.reset_lines import ResetLines, open_levels
 
 __all__ = [
     "FlashError",
@@ -137,7 +142,9 @@ def _is_pty(port: str) -> bool:
 
 def _connect(
     profile: Any, port: Any, baud: int | None, parity: str | None, notes: list[str]
-) -> Bootloader:
+) -> tuple[Bootloader, ResetLines]:
+    """The chip in its bootloader (reset into it through the profile's [reset] wiring when
+    the port can), synced, its commands and id read and checked."""
     settings = profile.bootloader
     name = port if isinstance(port, str) else None
     if parity is None:
@@ -149,12 +156,30 @@ def _connect(
                 f"{name} is a pseudo-terminal, which has no parity: using 8N1 instead of the "
                 f"bootloader's 8{settings.parity}1 (fine for a simulator or a bridge)"
             )
-    handle = open_port(port, baud or settings.baud, parity) if name else port
+    levels = open_levels(profile.reset)
+    handle = open_port(port, baud or settings.baud, parity, levels=levels) if name else port
     bl = Bootloader(
         handle, timeouts=_timeouts(profile), write_retries=settings.write_retries, name=name
     )
+    lines = ResetLines(handle, profile.reset, bl.name)
     try:
-        bl.sync()
+        note = lines.enter_bootloader()
+        if note:
+            notes.append(note)
+        try:
+            bl.sync()
+        except BootloaderTimeout as exc:
+            if not lines.driven:
+                raise
+            c = profile.reset
+            raise BootloaderTimeout(
+                f"{exc} This board profile ({profile.name}) reset the chip through the "
+                f"adapter: NRST on {c.reset_line}{' inverted' if c.reset_invert else ''}, "
+                f"BOOT0 on {c.boot0_line}{' inverted' if c.boot0_invert else ''}; if the "
+                "board is wired otherwise (other lines, an inverter), set reset_line, "
+                "boot0_line, reset_invert and boot0_invert under [reset] in a copy of the "
+                "profile, or method = \"manual\" to reset it by hand."
+            ) from None
         bl.get()
         bl.check_chip(profile.chip_ids, profile.name)
     except BaseException:
@@ -163,7 +188,7 @@ def _connect(
         else:
             bl.release()
         raise
-    return bl
+    return bl, lines
 
 
 def flash_elf(
@@ -227,7 +252,7 @@ def flash_elf(
     total = sum(j.size for j in jobs)
     report = progress or (lambda done, total, phase: None)
 
-    bl = _connect(profile, port_url, baud, parity, result.warnings)
+    bl, lines = _connect(profile, port_url, baud, parity, result.warnings)
     try:
         assert bl.info is not None
         result.bootloader_version = bl.info.version_text
@@ -297,6 +322,7 @@ def flash_elf(
             journal.mark_many(indexes, "erased")
             for job in changed:
                 write_and_verify(job, job.write)
+        lines.release_boot0()  # the next reset boots the new image
         if go:
             bl.go(image.base)
             result.went = True
@@ -424,7 +450,8 @@ def read_flash(
                          "write.") from exc
     done = False
     try:
-        bl = _connect(profile, port_url, baud, parity, notes if notes is not None else [])
+        bl, lines = _connect(profile, port_url, baud, parity,
+                             notes if notes is not None else [])
         buf = bytearray()
         try:
             while len(buf) < size:
@@ -432,6 +459,7 @@ def read_flash(
                 buf += bl.read_memory(start + len(buf), n)
                 if progress:
                     progress(len(buf), size, "read")
+            lines.run_application()  # back to what it ran, when the lines brought it here
         finally:
             if isinstance(port_url, str):
                 bl.close()

@@ -113,8 +113,9 @@ class LineControl:
     method 'dtr-rts': `reset_line`/`boot0_line` are 'dtr' or 'rts'. Asserting a line means
     setting it True in pyserial; `reset_invert`/`boot0_invert` flip that (for adapters wired
     through an inverter). Asserted reset line = NRST held low; asserted BOOT0 line = BOOT0 high.
-    method 'gpio': `gpio_chip` (e.g. 'gpiochip0') and line offsets `reset_line`/`boot0_line`
-    driven through libgpiod; the invert flags mean the line is active low.
+    method 'gpio': `gpio_chip` (e.g. 'gpiochip0') and line offsets `reset_line`/`boot0_line`;
+    the invert flags mean the line is active low (validated; not driven yet: the flasher says
+    so and expects the chip in its bootloader).
     method 'manual': the user sets BOOT0 and presses reset when asked.
     """
 

@@ -7,6 +7,10 @@ Invariants this module owns:
   and reserved RAM), so a profile and its simulated board cannot disagree.
 - `Faults.parse` accepts exactly `Faults.KEYS`; any other option, or a value that is not an
   integer where one is needed, is a `SimulatorError` naming the option with a hint.
+- `Wiring` is the board's NRST and BOOT0 wired to the adapter's DTR and RTS, with the
+  polarity board profiles use (`[reset]`): an asserted line (pyserial's True) holds NRST low
+  or BOOT0 high, an inverted one the opposite. Both pins are wired, to different lines, or
+  neither.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from firmware_tools.errors import FirmwareError
 if TYPE_CHECKING:
     from firmware_tools.profiles import McuProfile
 
-__all__ = ["CHIPS", "Faults", "SimChip", "SimulatorError", "chip_from_profile"]
+__all__ = ["CHIPS", "Faults", "SimChip", "SimulatorError", "Wiring", "chip_from_profile"]
 
 
 class SimulatorError(FirmwareError, ValueError):
@@ -180,6 +184,49 @@ class Faults:
             else:
                 raise SimulatorError(
                     f"simulator option {key!r} is unknown. Hint: valid options are chip, board, "
-                    f"state, {', '.join(cls.KEYS)}."
+                    f"state, {', '.join(Wiring.KEYS)}, {', '.join(cls.KEYS)}."
                 )
         return f
+
+
+_LINES = ("dtr", "rts")
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """NRST and BOOT0 on the adapter's modem lines (`reset=dtr&boot0=rts`, optionally
+    `reset_invert=1`, `boot0_invert=1`), as a board profile's `[reset]` describes them."""
+
+    reset: str
+    boot0: str
+    reset_invert: bool = False
+    boot0_invert: bool = False
+
+    KEYS = ("reset", "boot0", "reset_invert", "boot0_invert")
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> Wiring | None:
+        if not options:
+            return None
+        reset, boot0 = options.get("reset"), options.get("boot0")
+        for key, value in (("reset", reset), ("boot0", boot0)):
+            if value not in _LINES:
+                raise SimulatorError(
+                    f"simulator option {key}={value or ''!r} is not a modem line. Hint: wire "
+                    "both pins, each to dtr or rts, e.g. reset=dtr&boot0=rts."
+                )
+        if reset == boot0:
+            raise SimulatorError(
+                f"simulator options reset and boot0 are both {reset}. Hint: wire NRST and "
+                "BOOT0 to different lines: reset=dtr&boot0=rts."
+            )
+        flags = {}
+        for key in ("reset_invert", "boot0_invert"):
+            value = options.get(key, "0").lower()
+            if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise SimulatorError(
+                    f"simulator option {key}={value!r} is not a boolean. Hint: use 1 or 0."
+                )
+            flags[key] = value in ("1", "true", "yes", "on")
+        assert reset is not None and boot0 is not None
+        return cls(reset, boot0, **flags)

@@ -32,6 +32,7 @@ from firmware_tools.sim_board import (
     Faults,
     SimChip,
     SimulatorError,
+    Wiring,
     chip_from_profile,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "SimChip",
     "SimulatorError",
     "Stm32Simulator",
+    "Wiring",
     "chip_from_profile",
     "simulator_from_query",
 ]
@@ -58,8 +60,10 @@ class Stm32Simulator:
         chip: SimChip,
         faults: Faults | None = None,
         state: str | os.PathLike[str] | None = None,
+        wiring: Wiring | None = None,
     ) -> None:
         self.chip = chip
+        self.wiring = wiring
         self.faults = faults or Faults()
         self.rdp = self.faults.rdp
         self.state_path = Path(state) if state else None
@@ -88,8 +92,15 @@ class Stm32Simulator:
         self._byte_time = 10.0 / self.faults.baud if self.faults.baud else 0.0
         self._need = 1
         self._inbuf = bytearray()
+        # Pins: with modem-line wiring the board powers up as a board does (BOOT0 pulled low:
+        # the application in flash runs, the bootloader is not listening) until the host
+        # drives NRST and BOOT0; without it, in the bootloader (a board someone reset into it)
+        self.in_reset = False
+        self._lines = {"dtr": False, "rts": False}
         self._prog = self._program()
         self._need = next(self._prog)
+        if wiring is not None:
+            self._restart(bootloader=False)
         # Instrumentation (timeline knob): (direction, monotonic time, bytes) per chunk.
         self.timeline: list[tuple[str, float, int]] | None = None
         if self.faults.timeline:
@@ -100,7 +111,7 @@ class Stm32Simulator:
 
     def receive(self, data: bytes, now: float = 0.0) -> None:
         """Bytes from the host arriving at time `now`."""
-        if self.dropped:
+        if self.dropped or self.in_reset:
             return
         if self.timeline is not None:
             self.timeline.append(("rx", now, len(data)))
@@ -144,6 +155,39 @@ class Stm32Simulator:
             return
         with open(path, "w", encoding="ascii") as fh:
             fh.writelines(f"{d}\t{t:.9f}\t{n}\n" for d, t, n in self.timeline)
+
+    # --- pins ---------------------------------------------------------------------------------
+
+    def modem_line(self, line: str, asserted: bool) -> None:
+        """The host set its `line` ('dtr' or 'rts'; asserted is pyserial's True). Through the
+        wiring it drives NRST or BOOT0; unwired lines go nowhere."""
+        self._lines[line] = asserted
+        w = self.wiring
+        if w is None:
+            return
+        nrst_low = self._lines[w.reset] != w.reset_invert
+        boot0_high = self._lines[w.boot0] != w.boot0_invert
+        if nrst_low:
+            if not self.in_reset:
+                self.log.append("RESET")
+            self.in_reset = True
+            self._out.clear()
+        elif self.in_reset:
+            self.in_reset = False  # BOOT0 is sampled as NRST rises
+            self._restart(bootloader=boot0_high)
+
+    def _restart(self, *, bootloader: bool) -> None:
+        self._out.clear()
+        self._inbuf.clear()
+        self.synced = False
+        self.running_at = None if bootloader else self.chip.flash_start
+        self.log.append("BOOT bootloader" if bootloader else "BOOT application")
+        self._prog = self._program() if bootloader else self._application()
+        self._need = next(self._prog)
+
+    def _application(self) -> Generator[int, bytes, None]:
+        while True:  # the image in flash runs; it does not speak AN3155
+            yield 1
 
     def next_ready(self) -> float | None:
         return self._out[0][0] if self._out else None
@@ -397,6 +441,7 @@ def simulator_from_query(options: Mapping[str, str]) -> Stm32Simulator:
     chip_name = opts.pop("chip", None)
     board = opts.pop("board", None)
     state = opts.pop("state", None)
+    wiring = Wiring.parse({k: opts.pop(k) for k in Wiring.KEYS if k in opts})
     if board:
         from firmware_tools.profiles import load_profile
 
@@ -409,7 +454,7 @@ def simulator_from_query(options: Mapping[str, str]) -> Stm32Simulator:
                 f"{', '.join(sorted(k for k in CHIPS if len(k) == 4))}, or board=PROFILE."
             )
         chip = CHIPS[key]
-    return Stm32Simulator(chip, Faults.parse(opts), state)
+    return Stm32Simulator(chip, Faults.parse(opts), state, wiring)
 
 
 def _register() -> None:

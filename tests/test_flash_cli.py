@@ -25,7 +25,10 @@ def flash(tmp: Path, elf: Path, port: str, *extra: str) -> int:
 def test_flash_prints_a_summary(fw: firmware.FirmwareBuilder, tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     state = tmp_path / "f.bin"
-    assert flash(tmp_path, fw.elf(), f"stm32sim://?chip=f405&state={state}") == 0
+    # a board as the profile wires it (NRST on DTR, BOOT0 on RTS), running its application:
+    # the flash resets it into the bootloader itself
+    url = f"stm32sim://?chip=f405&reset=dtr&boot0=rts&state={state}"
+    assert flash(tmp_path, fw.elf(), url) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"flashed {fw.elf()} to stm32f405 on stm32sim://")
     assert "erased sectors [0]" in out and "started" in out

@@ -214,3 +214,99 @@ def test_port_identity_ignores_fault_knobs() -> None:
         "stm32sim://?state=/x/f.bin&nack=0x31&chip=f405"
     )
     assert port_identity("socket://localhost:7000?logging=debug") == "socket://localhost:7000"
+
+
+# --- NRST and BOOT0 on DTR and RTS ([reset] method = "dtr-rts") ---------------------------------
+
+WIRED = "reset=dtr&boot0=rts"  # the wiring the shipped profiles describe
+
+
+def _profile_with(tmp_path: Path, reset: str) -> object:
+    """stm32f405 with another [reset] table."""
+    from firmware_tools.profiles import profile_dir
+
+    text = (profile_dir() / "stm32f405.toml").read_text()
+    head, _, rest = text.partition("[reset]")
+    tail = rest[rest.find("\n["):] if "\n[" in rest else ""
+    path = tmp_path / "board.toml"
+    path.write_text(f"{head}[reset]\n{reset}\n{tail}")
+    return load_profile(str(path))
+
+
+def test_a_wired_board_is_reset_into_its_bootloader_and_left_to_boot_the_image(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    import serial
+
+    from firmware_tools.bootloader import open_port
+    from firmware_tools.reset_lines import open_levels
+
+    # a wired board powers up running its application: nothing answers 0x7F. pyserial's
+    # default open (both lines asserted) holds it in reset; the profile's levels release it
+    port = serial.serial_for_url(sim(tmp_path / "a.bin", WIRED), timeout=0.2)
+    assert port.sim.in_reset and port.sim.log == ["BOOT application", "RESET"]
+    port.close()
+    port = open_port(sim(tmp_path / "a.bin", WIRED), levels=open_levels(F405.reset))
+    assert not port.sim.in_reset and port.sim.running_at == F405.flash_start
+    port.write(b"\x7f")
+    assert port.read(1) == b""  # the application does not speak AN3155
+    # the flash resets it into the bootloader, flashes, releases BOOT0 and goes
+    result = flash_elf(fw.elf(), F405, port)
+    assert result.went and result.warnings == []
+    assert port.sim.log[:4] == ["BOOT application", "RESET", "BOOT bootloader", "GET (0x00)"]
+    assert port.rts is False  # BOOT0 low: a reset now boots the new image
+    port.dtr = True
+    port.dtr = False
+    assert port.sim.log[-2:] == ["RESET", "BOOT application"]
+    assert port.sim.running_at == F405.flash_start
+    port.close()
+    image = fw.objcopy_bin().read_bytes()
+    assert (tmp_path / "a.bin").read_bytes()[: len(image)] == image
+
+
+def test_a_read_of_a_wired_board_leaves_it_running_its_application(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    from firmware_tools.bootloader import open_port
+    from firmware_tools.reset_lines import open_levels
+
+    flash_elf(fw.elf(), F405, sim(tmp_path / "f.bin", WIRED))  # a URL: opened and closed
+    port = open_port(sim(tmp_path / "f.bin", WIRED), levels=open_levels(F405.reset))
+    read_flash(F405, port, tmp_path / "dump.bin", length=64)
+    assert port.sim.log[-2:] == ["RESET", "BOOT application"]
+    assert (tmp_path / "dump.bin").read_bytes() == fw.objcopy_bin().read_bytes()[:64]
+
+
+def test_the_profiles_polarity_must_match_the_board(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    from firmware_tools.bootloader import BootloaderTimeout
+
+    # NRST behind an inverter: the shipped profile holds the chip in reset, and the error
+    # says what to check; a profile with reset_invert = true flashes it
+    board = sim(tmp_path / "f.bin", WIRED + "&reset_invert=1")
+    with pytest.raises(BootloaderTimeout, match=r"no answer to two sync bytes.*Hint: check "
+                       r"that BOOT0 is high.*This board profile \(stm32f405\) reset the chip "
+                       r"through the adapter: NRST on dtr, BOOT0 on rts; .*reset_invert"):
+        flash_elf(fw.elf(), F405, board)
+    inverted = _profile_with(tmp_path, 'method = "dtr-rts"\nreset_line = "dtr"\n'
+                             'boot0_line = "rts"\nreset_invert = true')
+    assert flash_elf(fw.elf(), inverted, board).went
+    # wired the other way round (NRST on RTS, BOOT0 on DTR): a profile saying so works too
+    swapped = _profile_with(tmp_path, 'method = "dtr-rts"\nreset_line = "rts"\n'
+                            'boot0_line = "dtr"')
+    assert flash_elf(fw.elf(), swapped, sim(tmp_path / "g.bin", "reset=rts&boot0=dtr")).went
+
+
+def test_a_manual_profile_leaves_the_lines_alone(
+        fw: firmware.FirmwareBuilder, tmp_path: Path) -> None:
+    from firmware_tools.bootloader import BootloaderTimeout
+
+    manual = _profile_with(tmp_path, 'method = "manual"')
+    with pytest.raises(BootloaderTimeout) as e:  # it runs its application; nobody reset it
+        flash_elf(fw.elf(), manual, sim(tmp_path / "f.bin", WIRED))
+    assert "This board profile" not in str(e.value)
+    assert flash_elf(fw.elf(), manual, sim(tmp_path / "f.bin")).went  # one reset by hand
+    gpio = _profile_with(tmp_path, 'method = "gpio"\ngpio_chip = "gpiochip0"\nreset_line = 3\n'
+                         'boot0_line = 4')
+    result = flash_elf(fw.elf(), gpio, sim(tmp_path / "g.bin"))
+    assert result.went and result.warnings == [
+        "[reset] method gpio (gpiochip0 lines 3, 4) is not driven by this version: put the "
+        "board in its bootloader by hand (BOOT0 high, then reset)"]

@@ -59,6 +59,10 @@ def test_stm32flash_reads_what_we_flashed(fw: firmware.FirmwareBuilder, tmp_path
     with served(f"stm32sim://?chip=f405&state={tmp_path / 'f.bin'}", "--pty") as (pty, _):
         result = flash_elf(fw.elf(), F405, pty, go=False)
         assert result.erased == [0]
+        # a pty has no DTR/RTS: the profile's [reset] wiring cannot be driven, and it says so
+        assert (f"{pty} has no modem control lines (Inappropriate ioctl for device): [reset] "
+                "dtr/rts not driven; the board must be in its bootloader already (BOOT0 high, "
+                "then reset)") in result.warnings, result.warnings
         out = tmp_path / "read.bin"
         done = stm32flash("-m", "8n1", "-r", str(out), "-S", f"0x08000000:{len(image)}", pty)
         assert done.returncode == 0, done.stdout + done.stderr

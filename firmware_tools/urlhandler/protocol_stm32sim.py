@@ -1,9 +1,12 @@
 """pyserial URL handler `stm32sim://?chip=f405&state=/tmp/flash.bin&nack=0x31`.
 
-Each open is a fresh simulated chip, in the bootloader, not yet synced; its flash starts erased
-unless `state=PATH` keeps it in a file across opens. Query keys: `chip` (f405, f103, h750),
-`board` (a firmware_tools profile name, for its sector map), `state`, and the fault knobs of
-`firmware_tools.simulator.Faults`.
+Each open is a fresh simulated chip, in the bootloader (unless wired, below), not yet synced;
+its flash starts erased unless `state=PATH` keeps it in a file across opens. Query keys:
+`chip` (f405, f103, h750), `board` (a firmware_tools profile name, for its sector map),
+`state`, the wiring of NRST and BOOT0 to DTR and RTS (`reset=dtr&boot0=rts`,
+`reset_invert=1`, `boot0_invert=1`: see `firmware_tools.sim_board.Wiring`; a wired board
+powers up running its application and enters the bootloader only when the host pulses NRST
+with BOOT0 high), and the fault knobs of `firmware_tools.simulator.Faults`.
 
 Invariants: reads honour the port timeout against the simulator's reply times (an erase that
 takes 2 s is readable after 2 s); after a link drop every read and write raises
@@ -50,6 +53,10 @@ class Serial(SerialBase):
         except SimulatorError as exc:
             raise SerialException(str(exc)) from exc
         self.is_open = True
+        # the lines take the levels set before the open (pyserial asserts both by default),
+        # as a tty's open does
+        self._update_dtr_state()
+        self._update_rts_state()
 
     def close(self) -> None:
         self.is_open = False
@@ -118,10 +125,10 @@ class Serial(SerialBase):
         pass
 
     def _update_rts_state(self) -> None:
-        pass
+        self._live().modem_line("rts", bool(self.rts))
 
     def _update_dtr_state(self) -> None:
-        pass
+        self._live().modem_line("dtr", bool(self.dtr))
 
     @property
     def cts(self) -> bool:
