@@ -34,7 +34,7 @@ from elftools.elf.elffile import ELFFile
 from firmware_tools.errors import FirmwareError
 from firmware_tools.profiles import McuProfile
 
-__all__ = ["ElfImageError", "FlashImage", "SegmentInfo", "load_elf"]
+__all__ = ["ElfImageError", "FlashImage", "SegmentInfo", "elf_image", "load_elf"]
 
 ELF_MAGIC = b"\x7fELF"
 ELF_EXTRA_BYTES = 64 << 20  # read limit beyond the flash size: headers, symbols, debug sections
@@ -404,8 +404,11 @@ def _start_warnings(name: str, base: int, profile: McuProfile) -> tuple[str, ...
 
 def load_elf(path: str | os.PathLike[str], profile: McuProfile) -> FlashImage:
     """Read an ELF executable, check it against `profile`, and build its flash image."""
-    name = os.fspath(path)
-    data = _read(path, profile)
+    return elf_image(os.fspath(path), _read(path, profile), profile)
+
+
+def elf_image(name: str, data: bytes, profile: McuProfile) -> FlashImage:
+    """`load_elf` of bytes already read (an upload); `name` is what the errors call it."""
     _check_ident(name, data, profile)
     try:
         elf = ELFFile(io.BytesIO(data))

@@ -209,24 +209,30 @@ def test_bad_flash_requests(daemon: FlashDaemon, fw: firmware.FirmwareBuilder) -
     deep = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, _, data = daemon.call("POST", "/v1/flash", raw=deep)
     assert status == 400 and b"nested" in data and b"Hint:" in data, data
-    # an ELF the checks reject fails the job with the checker's reason, naming the ELF as the
-    # one uploaded (the daemon's own copy's path means nothing to the client)
+    # an ELF the checks reject is refused at once with the checker's reason, naming the ELF
+    # as the one uploaded (the daemon's own copy's path would mean nothing to the client): no
+    # job, nothing stored
     bad = base64.b64encode(fw.elf("no_at").read_bytes()).decode()
-    status, job = daemon.json("POST", "/v1/flash", {**good, "elf_base64": bad})
-    assert status == 202
-    job = daemon.wait_job(job)
-    assert job["state"] == "failed" and "outside stm32f405 flash" in job["error"]["message"]
-    assert job["error"]["message"].startswith("the uploaded ELF"), job["error"]
-    assert "uploads" not in job["error"]["message"]
-    # through the CLI: the file the user named, the checker's own hint, and --json's error
+    status, r = daemon.json("POST", "/v1/flash", {**good, "elf_base64": bad})
+    assert (status, r["error"]["code"]) == (400, "invalid_request"), r
+    message = r["error"]["message"]
+    assert message.startswith("field 'elf_base64': the uploaded ELF"), message
+    assert "outside stm32f405 flash" in message and "Hint:" in message, message
+    assert "uploads" not in message and daemon.uploaded() == []
+    # through the CLI: checked before anything is sent, so the error is --local's own: the
+    # file the user named, the checker's hint, and --json's error with the rule
     elf = fw.elf("no_at")
     r2 = daemon.cli("flash", str(elf), "--board", "stm32f405", "--port", daemon.owned,
                     "--socket", str(daemon.sock), "--json")
     assert r2.returncode == 1, r2.stderr
-    assert f"failed in the daemon: {elf}" in r2.stderr and "--resume" not in r2.stderr
+    assert f"{elf}: " in r2.stderr and "outside stm32f405 flash" in r2.stderr, r2.stderr
+    assert "handed to it" not in r2.stderr and "--resume" not in r2.stderr
     doc = json.loads(r2.stdout)
-    assert doc["ok"] is False and doc["error"]["daemon_job"].startswith("flash-")
-    assert doc["error"]["code"] == job["error"]["code"] and str(elf) in doc["error"]["message"]
+    assert doc["ok"] is False and "daemon_job" not in doc["error"], doc
+    assert doc["error"]["code"] == "ElfImageError" and doc["error"]["rule"], doc
+    local = daemon.cli("flash", str(elf), "--board", "stm32f405", "--port", daemon.owned,
+                       "--local", "--json")
+    assert json.loads(local.stdout)["error"] == doc["error"], local.stdout
 
 
 # -- the request names nothing on the daemon's side: bytes, a profile name, an owned port ------
@@ -330,11 +336,11 @@ def test_uploads_are_private_and_deleted_when_their_job_ends(
     status, job = daemon.json("POST", "/v1/flash", {**body, "port": daemon.locked})
     assert status == 202 and daemon.wait_job(job)["state"] == "failed"
     assert daemon.uploaded() == []
-    # ... or the checks reject the ELF
+    # ... or the checks reject the ELF: refused before anything is stored
     no_at = base64.b64encode(fw.elf("no_at").read_bytes()).decode()
-    status, job = daemon.json("POST", "/v1/flash", {**body, "elf_base64": no_at,
-                                                    "port": daemon.owned})
-    assert status == 202 and daemon.wait_job(job)["state"] == "failed"
+    status, r = daemon.json("POST", "/v1/flash", {**body, "elf_base64": no_at,
+                                                  "port": daemon.owned})
+    assert status == 400, r
     assert daemon.uploaded() == []
 
 

@@ -16,6 +16,7 @@ from edge_agent.daemon.flashing import FlashRequest, FlashService
 from edge_agent.errors import (
     FlashBusy,
     FlashJobNotFound,
+    InvalidRequest,
     PortNotOwned,
     ServiceError,
     ShuttingDown,
@@ -75,7 +76,7 @@ def test_refusals_are_domain_errors_with_their_http_answers(tmp_path: Path) -> N
     req = FlashRequest(board=BOARD, port=owned + "&nack=0x31", elf_bytes=b"\x7fELF")
 
     with pytest.raises(PortNotOwned) as not_owned:  # the same board with a knob added
-        svc.submit(req)
+        asyncio.run(svc.submit(req))
     assert not_owned.value.port == req.port and not_owned.value.same_board_as == owned
     assert http(not_owned.value) == (409, "port_not_owned", ())
     assert "flash.ports" in str(not_owned.value) and "Hint:" in str(not_owned.value)
@@ -87,24 +88,43 @@ def test_refusals_are_domain_errors_with_their_http_answers(tmp_path: Path) -> N
 
     stopping[0] = True
     with pytest.raises(ShuttingDown) as down:
-        svc.submit(req)
+        asyncio.run(svc.submit(req))
     assert http(down.value) == (503, "shutting_down", (("retry-after", "5"),))
     assert svc.jobs == {} and svc.newest() is None
 
 
-def test_an_upload_that_cannot_be_stored_is_507_and_leaves_no_job(tmp_path: Path) -> None:
+def test_an_upload_that_cannot_be_stored_is_507_and_leaves_no_job(
+        tmp_path: Path, fw: firmware.FirmwareBuilder) -> None:
     state = tmp_path / "state"
     state.write_text("a file where the state directory should be\n")
     owned = sim(tmp_path, "owned")
     svc = service(state, [owned])
+    elf = fw.elf().read_bytes()
     with pytest.raises(UploadFailed) as failed:
-        svc.submit(FlashRequest(board=BOARD, port=owned, elf_bytes=b"\x7fELF" + bytes(60)))
+        asyncio.run(svc.submit(FlashRequest(board=BOARD, port=owned, elf_bytes=elf)))
     assert http(failed.value) == (507, "upload_failed", ())
-    assert str(failed.value).startswith(f"cannot store the 64-byte ELF in {state}/flash/uploads")
+    assert str(failed.value).startswith(f"cannot store the {len(elf)}-byte ELF in "
+                                        f"{state}/flash/uploads")
     assert "Hint: free space" in str(failed.value)
     assert svc.jobs == {}
     with pytest.raises(UploadFailed):  # not FlashBusy: the port was not left taken
-        svc.submit(FlashRequest(board=BOARD, port=owned, elf_bytes=b"\x7fELF"))
+        asyncio.run(svc.submit(FlashRequest(board=BOARD, port=owned, elf_bytes=elf)))
+
+
+def test_an_elf_the_checks_reject_is_a_400_before_any_job(
+        tmp_path: Path, fw: firmware.FirmwareBuilder) -> None:
+    owned = sim(tmp_path, "owned")
+    svc = service(tmp_path / "state", [owned])
+    for variant, why in (("no_at", "outside stm32f405 flash"), ("x86_64", "machine")):
+        req = FlashRequest(board=BOARD, port=owned, elf_bytes=fw.elf(variant).read_bytes())
+        with pytest.raises(InvalidRequest) as bad:
+            asyncio.run(svc.submit(req))
+        assert http(bad.value)[:2] == (400, "invalid_request")
+        message = str(bad.value)
+        assert message.startswith("field 'elf_base64': the uploaded ELF"), message
+        assert why in message and "Hint:" in message, message
+    # no job, no upload, the port free
+    assert svc.jobs == {} and not (tmp_path / "state" / "flash" / "uploads").exists()
 
 
 def test_a_job_pauses_the_uart_of_its_board_and_resumes_it_whatever_the_outcome(
@@ -117,10 +137,10 @@ def test_a_job_pauses_the_uart_of_its_board_and_resumes_it_whatever_the_outcome(
     elf = fw.elf("good").read_bytes()
 
     async def go() -> tuple[dict, dict, ServiceError]:
-        ok = svc.submit(FlashRequest(board=BOARD, port=good, elf_bytes=elf))
+        ok = await svc.submit(FlashRequest(board=BOARD, port=good, elf_bytes=elf))
         with pytest.raises(FlashBusy) as busy:  # one job per board
-            svc.submit(FlashRequest(board=BOARD, port=good, elf_bytes=elf))
-        bad = svc.submit(FlashRequest(board=BOARD, port=locked, elf_bytes=elf))
+            await svc.submit(FlashRequest(board=BOARD, port=good, elf_bytes=elf))
+        bad = await svc.submit(FlashRequest(board=BOARD, port=locked, elf_bytes=elf))
         await svc.wait(100.0)
         return ok.to_dict(), bad.to_dict(), busy.value
 
@@ -145,7 +165,7 @@ def test_a_job_outliving_the_stop_wait_ends_at_a_block_and_resumes(
     elf = fw.elf("good").read_bytes()
 
     async def stop_during_a_flash() -> tuple[dict, float, bool]:
-        job = svc.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf))
+        job = await svc.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf))
         await asyncio.sleep(0.5)
         t0 = asyncio.get_running_loop().time()
         await svc.wait(0.3)
@@ -163,7 +183,7 @@ def test_a_job_outliving_the_stop_wait_ends_at_a_block_and_resumes(
     svc2 = service(tmp_path / "state", [slow])
 
     async def resume() -> dict:
-        job = svc2.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf, resume=True))
+        job = await svc2.submit(FlashRequest(board=BOARD, port=slow, elf_bytes=elf, resume=True))
         await svc2.wait(120.0)
         return job.to_dict()
 

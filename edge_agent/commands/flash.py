@@ -251,7 +251,7 @@ def _run_flash(args: argparse.Namespace) -> int:
 
     profile = load_profile(board)
     if args.port and not args.dry_run and not args.local:
-        handed = _via_daemon(args, profile.name)
+        handed = _via_daemon(args, profile)
         if handed is not None:
             return handed
     result = flash_elf(
@@ -311,9 +311,13 @@ def _fits_daemon(args: argparse.Namespace, board: str, size: int, info: dict[str
             "strip its debug sections (arm-none-eabi-strip -g) if it is.")
 
 
-def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
-    """Hand the job to a running daemon that owns the port; None when it does not."""
+def _via_daemon(args: argparse.Namespace, profile: Any) -> int | None:
+    """Hand the job to a running daemon that owns the port; None when it does not. The ELF
+    is checked here first, so its errors name the file as --local's do."""
     from edge_agent.client import DaemonClient, DaemonError, DaemonUnavailable
+    from firmware_tools.image import elf_image
+
+    board = profile.name
 
     sock = _daemon_socket(args)
     if sock is None or not DaemonClient(sock, timeout=PROBE_TIMEOUT_S).available():
@@ -343,6 +347,7 @@ def _via_daemon(args: argparse.Namespace, board: str) -> int | None:
     except OSError:
         return None  # the direct path reports an unreadable ELF with its own message
     _fits_daemon(args, board, len(data), info, sock)
+    elf_image(args.target, data, profile)
     options: dict[str, Any] = {"dry_run": False, "resume": bool(args.resume),
                                "go": not args.no_go}
     if args.baud is not None:

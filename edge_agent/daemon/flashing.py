@@ -15,6 +15,9 @@ Invariants owned here:
   `<state_dir>/flash/uploads/<job id>.elf` (directory 0700, file 0600) only once the job is
   accepted, and deleted when the job ends, whatever the outcome. Leftovers (a daemon killed
   mid-job) are removed when the service starts. No error carries bytes of the upload.
+- The ELF passes the flasher's own checks against the board (`firmware_tools.image.elf_image`,
+  in a worker thread) before anything is stored: a rejected one is InvalidRequest (400)
+  naming "the uploaded ELF", and no job exists.
 - `flash_elf` runs in a worker thread; the event loop never blocks on the bootloader. Progress
   crosses back with `call_soon_threadsafe`; only the loop thread touches jobs and the journal.
 - With the journal enabled a job is a `flash_jobs` row (an interrupted job of the same image,
@@ -53,6 +56,7 @@ from edge_agent.errors import (
     ConfigError,
     FlashBusy,
     FlashJobNotFound,
+    InvalidRequest,
     PortNotOwned,
     ShuttingDown,
     UploadFailed,
@@ -334,7 +338,39 @@ class FlashService:
         return parse_flash_request(body, boards=list_profiles(), max_elf_bytes=limit,
                                    limit_why=why)
 
-    def submit(self, req: FlashRequest) -> FlashJobRecord:
+    async def submit(self, req: FlashRequest) -> FlashJobRecord:
+        """Accept a job: the refusals below, then the ELF's own checks against the board (in
+        a worker thread; an ELF they reject is a 400 naming "the uploaded ELF", no job),
+        then the refusals again (the daemon may have started stopping, another job taken
+        the port, meanwhile), and only then the upload is stored and the job started."""
+        from firmware_tools.image import ElfImageError, elf_image
+
+        _, profile = self._admit(req)
+        try:
+            await asyncio.to_thread(elf_image, UPLOADED_ELF, req.elf_bytes, profile)
+        except ElfImageError as exc:
+            raise InvalidRequest(f"field 'elf_base64': {exc}") from None
+        ident, profile = self._admit(req)
+        jid = f"flash-{next(self._ids)}-{int(time.time())}"
+        upload = self._write_upload(jid, req.elf_bytes)
+        try:
+            job = FlashJobRecord(id=jid, board=profile.name, port=req.port, elf=str(upload))
+            self.jobs[jid] = job
+            self._busy[ident] = jid
+            self._prune()
+            task = asyncio.get_running_loop().create_task(self._run(job, req, profile, ident))
+        except BaseException:
+            self._busy.pop(ident, None)
+            self.jobs.pop(jid, None)
+            self._remove_upload(upload)
+            raise
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    def _admit(self, req: FlashRequest) -> tuple[str, Any]:
+        """The refusals of `req` as things stand (stopping, a port not owned, a busy port, a
+        profile that does not load); its port's busy key and its board profile otherwise."""
         from firmware_tools.errors import FirmwareError
         from firmware_tools.flasher import port_identity
         from firmware_tools.profiles import load_profile, profile_dir
@@ -364,22 +400,7 @@ class FlashService:
         except (FirmwareError, OSError) as exc:
             raise BoardProfileError(f"field 'board': {exc}. Hint: fix the profile file, or use "
                                     "another board", board=req.board) from exc
-        jid = f"flash-{next(self._ids)}-{int(time.time())}"
-        upload = self._write_upload(jid, req.elf_bytes)
-        try:
-            job = FlashJobRecord(id=jid, board=profile.name, port=req.port, elf=str(upload))
-            self.jobs[jid] = job
-            self._busy[ident] = jid
-            self._prune()
-            task = asyncio.get_running_loop().create_task(self._run(job, req, profile, ident))
-        except BaseException:
-            self._busy.pop(ident, None)
-            self.jobs.pop(jid, None)
-            self._remove_upload(upload)
-            raise
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return job
+        return ident, profile
 
     # -- uploads -------------------------------------------------------------------------------
     def _write_upload(self, jid: str, data: bytes) -> Path:

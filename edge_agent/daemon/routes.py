@@ -347,7 +347,7 @@ class Router:
 
     # -- flash jobs (daemon/flashing.py) ---------------------------------------------------------
     async def flash_create(self, req: Request) -> Reply:
-        job = self.host.flash.submit(self.host.flash.parse(req.body))
+        job = await self.host.flash.submit(self.host.flash.parse(req.body))
         return _json(202, job.to_dict(), headers=(("location", f"/v1/flash/{job.id}"),))
 
     async def flash_ports(self, req: Request) -> Reply:
