@@ -503,3 +503,34 @@ def test_service_unit_raises_the_descriptor_limit() -> None:
     line = next(ln for ln in text.splitlines() if ln.startswith("LimitNOFILE="))
     assert int(line.split("=", 1)[1]) >= 4096
     assert (REPO / "systemd" / "edge-agent.service").read_text() == text
+
+
+def test_a_request_head_over_the_limit_is_431_whatever_its_size() -> None:
+    from edge_agent.transports.http import MAX_HEAD_BYTES
+
+    def head_of(size: int) -> bytes:
+        start = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\nX-Pad: "
+        return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+    async def go() -> list[tuple[int, int, dict[str, Any]]]:
+        out = []
+        async with serving() as (_, sock, _h, _logs):
+            # h11 alone let a head through up to twice the limit when it completed in the
+            # read that crossed it
+            for size in (MAX_HEAD_BYTES - 100, MAX_HEAD_BYTES, MAX_HEAD_BYTES + 1,
+                         MAX_HEAD_BYTES + 2000, 2 * MAX_HEAD_BYTES - 10, 300_000):
+                raw = head_of(size)
+                assert len(raw) == size
+                out.append((size, *status_and_error(await exchange(sock, raw))))
+            # the connection after a refused one: the server still serves
+            out.append((0, *status_and_error(await exchange(sock, get("/health")))))
+        return out
+
+    results = run(go())
+    assert [(size, status) for size, status, _ in results] == [
+        (MAX_HEAD_BYTES - 100, 200), (MAX_HEAD_BYTES, 200), (MAX_HEAD_BYTES + 1, 431),
+        (MAX_HEAD_BYTES + 2000, 431), (2 * MAX_HEAD_BYTES - 10, 431), (300_000, 431), (0, 200)]
+    for _, status, err in results:
+        if status == 431:
+            assert err["code"] == "bad_http", err
+            assert f"under {MAX_HEAD_BYTES} bytes" in err["message"], err

@@ -408,9 +408,13 @@ class HttpServer:
 
     async def _read_head(self, c: _Conn, conn: h11.Connection, reader: asyncio.StreamReader,
                          first: bool) -> object:
-        """The next request head (or ConnectionClosed / PAUSED), under the timeouts."""
+        """The next request head (or ConnectionClosed / PAUSED), under the timeouts and
+        MAX_HEAD_BYTES. h11 bounds only a head still incomplete when it looks: one that
+        completes within the read that crosses the limit would pass (up to twice the limit),
+        so the head's size is counted here as well."""
         loop = asyncio.get_running_loop()
-        got = bool(conn.trailing_data[0])
+        fed = len(conn.trailing_data[0])
+        got = bool(fed)
         start = c.accepted if first else loop.time()
         c.idle, c.since = not got, start
         wait = self.header_timeout_s if (first or got) else self.idle_timeout_s
@@ -420,6 +424,11 @@ class HttpServer:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 c.idle = False
+                head = fed - len(conn.trailing_data[0])
+                if isinstance(event, h11.Request) and head > MAX_HEAD_BYTES:
+                    raise h11.RemoteProtocolError(
+                        f"request head of {head} bytes is over the limit of {MAX_HEAD_BYTES}",
+                        error_status_hint=431)
                 return event
             what = (f"the request head did not arrive within {self.header_timeout_s:g} s"
                     if got or first else f"idle for {self.idle_timeout_s:g} s")
@@ -434,6 +443,7 @@ class HttpServer:
                 got, c.idle = True, False
                 if not first:
                     deadline = loop.time() + self.header_timeout_s
+            fed += len(data)
             conn.receive_data(data)
 
     async def _serve(self, c: _Conn, reader: asyncio.StreamReader,
