@@ -255,25 +255,22 @@ def test_injected_port_object_and_go() -> None:
     assert port.sim.running_at == 0x08000000
 
 
-def test_bad_simulator_options_are_named() -> None:
-    with pytest.raises(LinkError, match=r"simulator option 'nak' is unknown.*valid options are "
-                       r"chip, board, state, reset, boot0, reset_invert, boot0_invert, nack"):
-        open_port("stm32sim://?chip=f405&nak=0x31")
-    with pytest.raises(LinkError, match=r"simulator option boot0='' is not a modem line.*"
-                       r"reset=dtr&boot0=rts"):
-        open_port("stm32sim://?reset=dtr")
-    with pytest.raises(LinkError, match=r"option reset='cts' is not a modem line"):
-        open_port("stm32sim://?reset=cts&boot0=rts")
-    with pytest.raises(LinkError, match=r"reset and boot0 are both rts.*different lines"):
-        open_port("stm32sim://?reset=rts&boot0=rts")
-    with pytest.raises(LinkError, match=r"boot0_invert='maybe' is not a boolean"):
-        open_port("stm32sim://?reset=dtr&boot0=rts&boot0_invert=maybe")
-    with pytest.raises(LinkError, match=r"simulator chip 'f999' is unknown.*f103, f405"):
-        open_port("stm32sim://?chip=f999")
-    with pytest.raises(LinkError, match=r"nack='x31'.*not an integer"):
-        open_port("stm32sim://?nack=x31")
-    with pytest.raises(LinkError, match=r"opening serial port '/dev/nonexistent-tty'.*Hint: check"):
-        open_port("/dev/nonexistent-tty")
+@pytest.mark.parametrize(("url", "match"), [
+    ("stm32sim://?chip=f405&nak=0x31", r"simulator option 'nak' is unknown.*valid options are "
+     r"chip, board, state, reset, boot0, reset_invert, boot0_invert, nack"),
+    ("stm32sim://?reset=dtr", r"simulator option boot0='' is not a modem line.*"
+     r"reset=dtr&boot0=rts"),
+    ("stm32sim://?reset=cts&boot0=rts", r"option reset='cts' is not a modem line"),
+    ("stm32sim://?reset=rts&boot0=rts", r"reset and boot0 are both rts.*different lines"),
+    ("stm32sim://?reset=dtr&boot0=rts&boot0_invert=maybe",
+     r"boot0_invert='maybe' is not a boolean"),
+    ("stm32sim://?chip=f999", r"simulator chip 'f999' is unknown.*f103, f405"),
+    ("stm32sim://?nack=x31", r"nack='x31'.*not an integer"),
+    ("/dev/nonexistent-tty", r"opening serial port '/dev/nonexistent-tty'.*Hint: check"),
+])
+def test_bad_simulator_options_are_named(url: str, match: str) -> None:
+    with pytest.raises(LinkError, match=match):
+        open_port(url)
 
 
 def test_board_profile_gives_the_sector_map() -> None:
