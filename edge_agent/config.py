@@ -82,6 +82,8 @@ class SerialConfig:
     parity: str = "none"
     stopbits: float = 1.0
     rtscts: bool = False
+    dtr: bool = True  # asserted at open (a tty's default); false: lowered
+    rts: bool = True
     echo: bool = True
     max_line: int = 512
     mode: str = "auto"  # auto | console | machine
@@ -220,7 +222,8 @@ def _builtin_layer(env: Mapping[str, str]) -> dict[str, Any]:
         "runtime": {"engine": "auto", "mlock": "best-effort", "dtype": "f32", "threads": "auto",
                     "decode": "batched", "step_window_ms": 50.0, "memory_budget_bytes": "max"},
         "serial": {"port": "", "baudrate": 115200, "parity": "none", "stopbits": 1,
-                   "rtscts": False, "echo": True, "max_line": 512, "mode": "auto"},
+                   "rtscts": False, "dtr": True, "rts": True, "echo": True, "max_line": 512,
+                   "mode": "auto"},
         "journal": {"enabled": True, "path": "", "sync": "full", "ack": "durable",
                     "max_age_s": 604800.0, "max_finished": 10000},
         "cgroup": {"enabled": True, "policy": "default", "proc_root": ""},

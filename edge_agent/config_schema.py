@@ -123,6 +123,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "parity": Key(cv.choice("none", "even", "odd", "mark", "space"), '"none"', "UART parity"),
         "stopbits": Key(cv.stopbits, "1", "UART stop bits: 1, 1.5 or 2"),
         "rtscts": Key(cv.boolean, "false", "RTS/CTS hardware flow control"),
+        "dtr": Key(cv.boolean, "true", "DTR asserted while the port is open, as a tty's open "
+                   "leaves it (false: lowered; a board whose NRST is on DTR, as the shipped MCU "
+                   "profiles wire it, is held in reset while DTR is asserted)"),
+        "rts": Key(cv.boolean, "true", "RTS asserted while the port is open (false: lowered; "
+                   "BOOT0 on RTS: asserted means the next reset enters the ROM bootloader); "
+                   "not used with rtscts, where RTS is flow control"),
         "echo": Key(cv.boolean, "true",
                     "console echoes typed characters (off: the terminal echoes)"),
         "max_line": Key(cv.int_in(16, 65536), "512", "longest console line in bytes (longer lines "

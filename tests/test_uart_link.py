@@ -269,6 +269,33 @@ def test_exclusive_open_refuses_a_second_user_without_crashing(log_lines: list[s
     run(main)
 
 
+def test_dtr_and_rts_take_the_configured_levels_before_the_open(tmp_path: Path) -> None:
+    from edge_agent.config import load_config
+    from firmware_tools.urlhandler import register
+
+    register()  # stm32sim://, as the daemon registers it
+    # a microcontroller wired as the shipped MCU profiles describe (NRST on DTR, BOOT0 on RTS),
+    # simulated: a tty's open (both asserted) holds it in reset for as long as the port is open
+    url = "stm32sim://?chip=f405&reset=dtr&boot0=rts"
+    port = LinkSettings(url).open_port()
+    assert port.sim.in_reset and (port.dtr, port.rts) == (True, True)
+    port.close()
+    cfg = load_config(None, env={"EDGE_AGENT_SERIAL__DTR": "false",
+                                 "EDGE_AGENT_SERIAL__RTS": "false"}, check_paths=False,
+                      overrides={"server.state_dir": str(tmp_path)})
+    assert (cfg.serial.dtr, cfg.serial.rts) == (False, False)
+    port = LinkSettings(url, dtr=cfg.serial.dtr, rts=cfg.serial.rts).open_port()
+    # lowered before the open: the board runs its application, never reset on the way
+    assert not port.sim.in_reset and port.sim.log == ["BOOT application"]
+    port.close()
+    # a pty has no modem lines: the levels are not an error there
+    master, path = open_pty()
+    try:
+        LinkSettings(path, dtr=False, rts=False).open_port().close()
+    finally:
+        os.close(master)
+
+
 def test_bad_url_or_setting_is_a_config_error() -> None:
     async def main() -> None:
         for settings, text in [(LinkSettings("nosuch://x"), "pyserial refused the URL"),

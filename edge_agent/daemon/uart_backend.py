@@ -284,7 +284,8 @@ class Uarts:
         cfg = self.cfg
         for url in self.ports:
             settings = LinkSettings(url, baudrate=cfg.baudrate, parity=cfg.parity,
-                                    stopbits=cfg.stopbits, rtscts=cfg.rtscts)
+                                    stopbits=cfg.stopbits, rtscts=cfg.rtscts, dtr=cfg.dtr,
+                                    rts=cfg.rts)
             t = self._transport(settings)
             try:
                 await t.start()

@@ -2,8 +2,9 @@
 
 Invariants owned here:
 - Ports are opened only with `serial.serial_for_url` (a tty path, rfc2217://, socket://, spy://,
-  loop://), with baud, parity, stop bits, byte size and flow control from `LinkSettings`, and
-  `exclusive=True` (flock on POSIX ttys; ignored by URL handlers that have no lock).
+  loop://), with baud, parity, stop bits, byte size, flow control and the DTR/RTS levels (set
+  before the open) from `LinkSettings`, and `exclusive=True` (flock on POSIX ttys; ignored by
+  URL handlers that have no lock).
 - Reads never block the event loop: a plain POSIX tty is read with `loop.add_reader` on its fd;
   every other port class (URL handlers, spy://, ports without a usable fileno) is read by one
   daemon thread that hands bytes to the loop with `call_soon_threadsafe`.
@@ -58,6 +59,8 @@ class LinkSettings:
     stopbits: float = 1
     bytesize: int = 8
     rtscts: bool = False
+    dtr: bool = True  # levels set before the open, so a wired board never sees a glitch
+    rts: bool = True
     xonxoff: bool = False
     exclusive: bool = True
     backoff_s: float = 0.1
@@ -85,6 +88,9 @@ class LinkSettings:
                 from exc
         with contextlib.suppress(AttributeError, ValueError):
             port.exclusive = self.exclusive
+        port.dtr = self.dtr
+        if not self.rtscts:
+            port.rts = self.rts
         try:
             port.open()
         except Exception as exc:
