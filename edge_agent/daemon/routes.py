@@ -235,10 +235,14 @@ class Router:
         usage = rec.request.include_usage
         common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
                              "chat": rec.request.chat}
+        # a reply that may call tools is a call or text, known at the end: held till then
+        held = structured.may_call_tools(rec.request)
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)
             async for batch in rec.follow_batches(0):
+                if held:
+                    continue
                 out = []  # one write for the pieces of one runner message
                 for i, piece in batch:
                     upto = rec.piece_logprobs[i]
@@ -255,8 +259,17 @@ class Router:
                 extra = {"status": END_STATUS[end.code], "id": rec.id, **end.extra()}
                 yield sse_event(json.loads(end_error(end.code, end.message, extra).body()))
             else:
+                finish = rec.finish_reason
+                if held:
+                    calls = structured.tool_calls(rec.request, rec.text, rec.id)
+                    finish = "tool_calls" if calls else finish
+                    yield sse_event(completion_chunk(
+                        text=None if calls else rec.text, tool_calls=calls, finish_reason=None,
+                        first=first, include_usage=usage,
+                        logprobs=self._logprobs(rec, 0, rec.logprobs_released), **common))
+                    first, sent = False, rec.logprobs_released
                 yield sse_event(completion_chunk(
-                    text=None, finish_reason=rec.finish_reason, first=first,
+                    text=None, finish_reason=finish, first=first,
                     include_usage=usage,
                     logprobs=self._logprobs(rec, sent, rec.logprobs_released), **common))
                 if usage:

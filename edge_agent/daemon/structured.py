@@ -28,7 +28,8 @@ from typing import Any
 from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
-__all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "parse_tool_calls", "tool_calls"]
+__all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "may_call_tools", "parse_tool_calls",
+           "tool_calls"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -189,6 +190,11 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> list[tuple[str, dict[st
             return None
         calls.append((obj["name"], args))
     return calls or None
+
+
+def may_call_tools(req: GenerationRequest) -> bool:
+    """Whether the reply may be a tool call (then a stream holds it until it is complete)."""
+    return bool(_offered(req))
 
 
 def tool_calls(req: GenerationRequest, text: str, rid: str) -> list[dict[str, Any]] | None:

@@ -959,10 +959,6 @@ def parse_generation(
         raise _bad("seed", f"expected a non-negative integer, got {_show(seed)}",
                    "use an integer 0..2**63-1")
     if tools is not None and tool_choice != "none":
-        if stream:
-            raise _bad("stream", "streaming a reply that may call tools is not supported yet",
-                       'send "stream": false with tools (or tool_choice "none")',
-                       code="unsupported_parameter")
         if d.get("session") is not None:
             raise _bad("session", "a session cannot offer tools (its history keeps text "
                        "turns only)", "send the whole conversation in messages without "
@@ -1149,16 +1145,19 @@ def completion_response(
 def completion_chunk(
     *, rid: str, model: str, created: int, chat: bool, text: str | None,
     finish_reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None,
-    include_usage: bool = False,
+    include_usage: bool = False, tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; with chat, the first chunk carries the assistant role. `logprobs`:
     those of the tokens this chunk carries; `include_usage`: the chunk has `"usage": null`
-    (the usage comes in `usage_chunk`, last)."""
+    (the usage comes in `usage_chunk`, last); `tool_calls` (chat): whole calls, each with its
+    `index` in the delta, as OpenAI streams them."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choice["delta"] = delta
         if logprobs is not None:
             choice["logprobs"] = logprobs
