@@ -296,7 +296,7 @@ class OllamaRoutes:
 
     async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ServedModel,
                       t0: float) -> AsyncIterator[bytes]:
-        held = rec.request.tools is not None  # a call or text: known at the end
+        held = structured.may_call_tools(rec.request)  # a call or text: known at the end
         try:
             async for batch in rec.follow_batches(0):
                 out = [ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
