@@ -81,7 +81,10 @@ PROMPTS = ["In 1492, Columbus", "import numpy as np", "The best way to learn is"
            "Dear Sir or Madam,", "SELECT * FROM users WHERE", "The mitochondria is"]
 FULL = {"200", "202", "done"}  # how each kind of client ends when answered in full
 ANSWERS = {"kill_runner": FULL, "enospc": FULL | {"507 journal_unavailable"},
-           "sigterm": FULL | {"503 shutting_down", "stream error shutting_down"}}
+           # "202 shutting_down": a native request accepted as the stop began; its 202 record
+           # already says it is kept (and it must resume: it counts as acknowledged)
+           "sigterm": FULL | {"503 shutting_down", "stream error shutting_down",
+                              "202 shutting_down"}}
 NOT_TAKEN_IN = {"ConnectionRefusedError", "FileNotFoundError"}  # came after the socket closed
 CLIENT_TIMEOUT = 300.0  # a client waits this long for its answer (never cut by us)
 DONE_TIMEOUT = 240.0
