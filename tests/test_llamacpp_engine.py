@@ -528,6 +528,27 @@ def test_numpy_tokenizer_tokenizes_as_llama_cpp(tokenizer: object, parse_special
         vocab.close()
 
 
+def test_tokenize_follows_the_configured_engine_as_the_daemon_would(
+        gemma_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokenize` without --engine uses runtime.engine: configured numpy, Gemma 3's SentencePiece
+    vocabulary is refused with the way out named; --engine overrides the configuration."""
+    from edge_agent.cli import main
+
+    gemma = str(gemma_path)
+    monkeypatch.setenv("EDGE_AGENT_RUNTIME__ENGINE", "numpy")
+    assert main(["tokenize", "--model", gemma, "Hi there"]) == 1
+    err = capsys.readouterr().err
+    assert "'tokenizer.ggml.model' is 'llama', which the numpy engine's tokenizer does not read" in err
+    assert "--engine llamacpp, or runtime.engine = \"llamacpp\"" in err
+    assert main(["tokenize", "--model", gemma, "--engine", "llamacpp", "--json",
+                 "Hi there"]) == 0
+    with_llamacpp = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("EDGE_AGENT_RUNTIME__ENGINE", "llamacpp")
+    assert main(["tokenize", "--model", gemma, "--json", "Hi there"]) == 0
+    assert json.loads(capsys.readouterr().out) == with_llamacpp
+
+
 def test_detokenize_shows_control_tokens_as_llama_cpp_does(model: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]
                                                            ) -> None:

@@ -35,9 +35,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="text to tokenize; '-' or absent reads stdin")
     parser.add_argument("--model", metavar="PATH",
                         help="GGUF file (default: the installed SmolLM2-135M-Instruct)")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
+    parser.add_argument("--engine", choices=ENGINES,
                         help="whose tokenizer: llamacpp, numpy, or auto (llamacpp when "
-                        "llama-cpp-python is installed; runtime.engine's default)")
+                        "llama-cpp-python is installed); default: runtime.engine from the "
+                        "configuration, itself auto")
+    parser.add_argument("--config", metavar="FILE",
+                        help="configuration file read for runtime.engine "
+                        "(default: /etc/edge-agent/config.toml)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON list of ids (with --decode: a JSON string)")
     mode = parser.add_mutually_exclusive_group()
@@ -90,12 +94,13 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from edge_agent.commands.client import engine_for
     from edge_agent.paths import default_model_path
     from edge_agent.runtime.engines import open_tokenizer
 
     path = Path(args.model) if args.model else default_model_path()
     text = _read_input(args.text)
-    tokenizer = open_tokenizer(args.engine, path)
+    tokenizer = open_tokenizer(engine_for(args), path)
     if args.decode:
         out = tokenizer.detokenize(_parse_ids(text, tokenizer.vocab_size))
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n" if args.json else out)

@@ -147,9 +147,11 @@ class Tokenizer:
         if model is None:
             raise fail("tokenizer.ggml.model", "is missing", reconvert)
         if model != "gpt2":
-            raise fail("tokenizer.ggml.model", f"is {model!r}, which edge-agent does not support "
-                       "(only 'gpt2', byte-level BPE; 'llama' is SentencePiece)",
-                       "use a model with a GPT-2 style BPE tokenizer, such as the default SmolLM2.")
+            raise fail("tokenizer.ggml.model", f"is {model!r}, which the numpy engine's "
+                       "tokenizer does not read (only 'gpt2', byte-level BPE; 'llama' is "
+                       "SentencePiece)", "use the llamacpp engine, which reads every "
+                       "vocabulary type (--engine llamacpp, or runtime.engine = \"llamacpp\"), "
+                       "or a model with a GPT-2 style BPE tokenizer such as the default SmolLM2.")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, (list, tuple)) or not tokens or not isinstance(tokens[0], str):
             raise fail("tokenizer.ggml.tokens", "is missing or empty", reconvert)
