@@ -539,7 +539,8 @@ def test_tokenize_follows_the_configured_engine_as_the_daemon_would(
     monkeypatch.setenv("EDGE_AGENT_RUNTIME__ENGINE", "numpy")
     assert main(["tokenize", "--model", gemma, "Hi there"]) == 1
     err = capsys.readouterr().err
-    assert "'tokenizer.ggml.model' is 'llama', which the numpy engine's tokenizer does not read" in err
+    assert ("'tokenizer.ggml.model' is 'llama', which the numpy engine's tokenizer does not "
+            "read") in err
     assert "--engine llamacpp, or runtime.engine = \"llamacpp\"" in err
     assert main(["tokenize", "--model", gemma, "--engine", "llamacpp", "--json",
                  "Hi there"]) == 0
