@@ -36,22 +36,27 @@ model: venv
 # The daemon in the foreground. With socat installed, a pty pair offers the serial console:
 # the daemon owns $(STATE)/uart, a person attaches to $(STATE)/console (picocom, screen, minicom).
 run: venv
+	@mkdir -p $(STATE)
 	@echo "edge-agent: serving on $(STATE)/edge-agent.sock (Ctrl-C stops). In another shell:"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/health"
 	@echo "  curl --unix-socket $(STATE)/edge-agent.sock http://localhost/v1/completions -d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'"
 	@echo "  $(VENV)/bin/edge-agent status"
-	@if command -v socat >/dev/null; then \
+	@serial=; \
+	if command -v socat >/dev/null; then \
 	    socat pty,raw,echo=0,link=$(abspath $(STATE))/console pty,raw,echo=0,link=$(abspath $(STATE))/uart & \
 	    socat_pid=$$!; trap "kill $$socat_pid 2>/dev/null" EXIT INT TERM; \
-	    while [ ! -e $(STATE)/uart ]; do sleep 0.05; done; \
-	    echo "  serial console on a pty: picocom -b 115200 $(abspath $(STATE))/console  (quit: C-a C-x)"; \
-	    EDGE_AGENT_SERIAL__PORT=$(abspath $(STATE))/uart EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true \
-	        $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock; \
+	    while [ ! -e $(STATE)/uart ] && kill -0 $$socat_pid 2>/dev/null; do sleep 0.05; done; \
+	    if [ -e $(STATE)/uart ]; then \
+	        serial=$(abspath $(STATE))/uart; \
+	        echo "  serial console on a pty: picocom -b 115200 $(abspath $(STATE))/console  (quit: C-a C-x)"; \
+	    else \
+	        echo "  (socat could not make the pty pair, see above: serving without the serial console)"; \
+	    fi; \
 	else \
 	    echo "  (install socat to get the serial console on a pty)"; \
-	    EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true \
-	        $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock; \
-	fi
+	fi; \
+	env $${serial:+EDGE_AGENT_SERIAL__PORT=$$serial} EDGE_AGENT_MODELS__SMOLLM2__PRELOAD=true \
+	    $(VENV)/bin/edge-agent --state-dir $(STATE) serve --socket $(STATE)/edge-agent.sock
 
 demo: venv
 	$(VENV)/bin/edge-agent --state-dir $(STATE) generate --local --chat --max-tokens 48 \
