@@ -487,47 +487,40 @@ def test_make_run_from_a_fresh_checkout_makes_its_state_and_serial_console(
     """The Makefile's own `run` recipe where no state directory exists yet (a fresh clone):
     socat's pty pair is made inside it, the daemon serves with the serial console on the pty,
     and Ctrl-C stops daemon and socat (no link left behind)."""
-    from interrupt import env, finish, foreground
-
-    from edge_agent.client import UnixHTTPConnection
+    from daemon_proc import daemon_env
+    from interrupt import foreground
 
     assert shutil.which("make") and shutil.which("socat"), "make test installs both"
     state = tmp_path / "clone" / ".state"  # absent, as in a fresh clone
     venv = Path(sys.executable).parent.parent
-    run_env = {k: v for k, v in env().items() if k != "NOTIFY_SOCKET"}
-    run_env.update({"EDGE_AGENT_MODELS__SMOLLM2__CONTEXT": str(CONTEXT),
-                    "EDGE_AGENT_MODELS__SMOLLM2__MAX_BATCH": "2",
-                    "EDGE_AGENT_RUNTIME__MLOCK": "off"})
-    # `-o venv`: this test's interpreter is the installation (make test installed it)
-    proc = subprocess.Popen(["make", "--no-print-directory", "-C", str(REPO), "-o", "venv",
-                             "run", f"STATE={state}", f"VENV={venv}"], env=run_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=foreground, start_new_session=True)
+    env = daemon_env(tmp_path, {"EDGE_AGENT_MODELS__SMOLLM2__CONTEXT": str(CONTEXT),
+                                "EDGE_AGENT_MODELS__SMOLLM2__MAX_BATCH": "2",
+                                "EDGE_AGENT_RUNTIME__MLOCK": "off", "PYTHONFAULTHANDLER": "1"})
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    log = tmp_path / "make-run.log"
+    with log.open("wb") as fh:  # `-o venv`: this test's interpreter is the installation
+        proc = subprocess.Popen(["make", "--no-print-directory", "-C", str(REPO), "-o", "venv",
+                                 "run", f"STATE={state}", f"VENV={venv}"], env=env,
+                                stdout=fh, stderr=fh, preexec_fn=foreground,
+                                start_new_session=True)
+    d = Daemon(tmp_path, proc, notify, log)
+    d.sock = state / "edge-agent.sock"  # the recipe's socket
     try:
-        health: dict[str, Any] = {}
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                conn = UnixHTTPConnection(str(state / "edge-agent.sock"), timeout=10)
-                conn.request("GET", "/health")
-                health = json.loads(conn.getresponse().read())
-                conn.close()
-                if health.get("status") == "serving":
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.5)
-        assert health.get("status") == "serving", (
-            f"make run never served on {state}/edge-agent.sock: {health}")
+        d.wait_notify("READY=1", 180)
+        health = d.health()
+        assert health["status"] == "serving", health
         assert health["serial"] == [{"url": str(state / "uart"), "up": True, "link_lost": 0,
                                      "reopens": 0, "open_failures": 0}], health["serial"]
         assert (state / "console").is_symlink()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
-        out, err = finish(proc, 60)
-        assert "serial console on a pty: picocom -b 115200 " + str(state / "console") in out
-        assert "edge-agent: stopped" in err and "Traceback" not in err, err[-3000:]
+        proc.wait(60)
+        text = log.read_text(errors="replace")
+        assert "serial console on a pty: picocom -b 115200 " + str(state / "console") in text
+        assert "edge-agent: stopped" in text and "Traceback" not in text, text[-3000:]
         assert not (state / "console").is_symlink() and not (state / "uart").is_symlink()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        notify.close()
