@@ -12,6 +12,7 @@ a bad schema is a 400 naming `response_format`. One daemon runs the numpy engine
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import openai
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
 
-from edge_agent.daemon.structured import parse_tool_calls
+from edge_agent.daemon.structured import CallGate, call_content, parse_tool_calls
 from edge_agent.protocol.api import ApiError, parse_generation
 from edge_agent.runtime.constrain import Constraints, check_grammar, json_grammar
 from edge_agent.runtime.sampling import SamplingParams
@@ -161,6 +162,57 @@ def test_tool_calls_recognized_in_both_forms() -> None:
     assert parse_tool_calls("It is sunny.", names) is None
 
 
+
+def _gate(pieces: list[str]) -> tuple[list[str], str, bool]:
+    """What a stream sends for `pieces` (piece by piece), what it sends at the end, and
+    whether the reply is a call of get_weather."""
+    gate = CallGate()
+    sent = [gate.feed(p) for p in pieces]
+    calls = parse_tool_calls(gate.text, ["get_weather"]) is not None
+    return sent, gate.rest(calls), calls
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_a_stream_that_may_call_tools_sends_text_as_soon_as_it_cannot_be_a_call() -> None:
+    # text streams as it comes; trailing whitespace waits for what follows it
+    assert _gate(["Bon", "jour", "! ", "Ça va ?"]) == (["Bon", "jour", "!", " Ça va ?"], "",
+                                                        False)
+    # a `<tool_call>` split across pieces: the text before it went, the call comes whole
+    assert _gate(["Let me check.", " <tool", "_call>", CALL[11:]]) == (
+        ["Let me check.", "", "", ""], "", True)
+    assert call_content("Let me check. " + CALL) == "Let me check."
+    # what only looked like the start of one is sent once it is not
+    assert _gate(["Use <to", "day> here"]) == (["Use", " <today> here"], "", False)
+    # a reply that begins like a bare or fenced JSON call is held whole, call or not
+    assert _gate(['  {"name"', ': "get_weather", "arguments": {}}']) == (["", ""], "", True)
+    assert _gate(["{not json", "}"]) == (["", ""], "{not json}", False)
+    assert _gate(["```json\n", '{"name": "get_weather", "arguments": {}}\n```']) == (
+        ["", ""], "", True)
+    assert _gate(["`x` is", " a variable"]) == (["", ""], "`x` is a variable", False)
+    # blank, and a block that is not a call: everything held back comes at the end
+    assert _gate(["\n", " "]) == (["", ""], "\n ", False)
+    assert _gate(["Hi <tool_call>", "oops</tool_call> bye"]) == (["Hi", ""],
+                                                                 " <tool_call>oops</tool_call> bye",
+                                                                 False)
+    assert call_content(CALL) is None and call_content('{"name": "get_weather"}') is None
+
+
+def test_whatever_the_pieces_a_gated_stream_sends_the_unstreamed_reply() -> None:
+    rng = random.Random(7)
+    replies = ["Sure. " + CALL + "\n" + CALL, CALL, "  " + CALL[11:-12], "It is <b>sunny</b>.",
+               "a <tool_call", "Oslo: <tool_call>{}</tool_call> done", "\n\nPlain text.\n",
+               "x" + CALL + " and text after it"]
+    for reply in replies:
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randint(1, 9))))
+            pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)], strict=True)]
+            sent, rest, calls = _gate(pieces)
+            whole = (call_content(reply) or "") if calls else reply
+            assert "".join(sent) + rest == whole, (reply, pieces)
+
+
 # -- the daemon through the openai SDK -------------------------------------------------------------
 
 def _client(d: Daemon) -> openai.OpenAI:
@@ -290,23 +342,29 @@ def test_a_streamed_reply_that_may_call_tools_is_the_unstreamed_reply(
                          ("auto", "Say hello in French.")):
         ask: dict[str, Any] = {"model": "smollm2", "tools": [WEATHER], "tool_choice": choice,
                                "messages": [{"role": "user", "content": text}],
-                               "temperature": 0, "max_tokens": 60}
+                               "temperature": 0, "max_tokens": 60, "logprobs": True}
         whole = client.chat.completions.create(**ask)
-        content, calls, finish, roles = "", {}, [], []
+        content, calls, finish, roles, texts, lps = "", {}, [], [], 0, []
         for chunk in client.chat.completions.create(stream=True, **ask):
             delta = chunk.choices[0].delta
             roles += [delta.role] if delta.role else []
             content += delta.content or ""
+            texts += bool(delta.content)
+            lps += [e.token for e in chunk.choices[0].logprobs.content or ()] \
+                if chunk.choices[0].logprobs else []
             calls.update({c.index: c for c in delta.tool_calls or ()})
             finish += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
         msg = whole.choices[0].message
         assert roles == ["assistant"] and finish == [whole.choices[0].finish_reason], finish
         if msg.tool_calls:
-            assert content == "" and finish == ["tool_calls"]
+            assert content == (msg.content or "") and finish == ["tool_calls"]
             assert [(c.type, c.function.name, c.function.arguments) for c in calls.values()] \
                 == [(c.type, c.function.name, c.function.arguments) for c in msg.tool_calls]
             assert all(c.id and c.id.startswith("call_") for c in calls.values())
         else:
             assert calls == {} and content == msg.content, (content, msg.content)
+            assert texts > 1, texts  # the text streamed as it came, not held to the end
+            assert whole.choices[0].logprobs and lps == [
+                e.token for e in whole.choices[0].logprobs.content or ()]
         kinds.add(bool(msg.tool_calls))
-    assert kinds == {True, False}  # both a held call and held text went through
+    assert kinds == {True, False}  # both a call and text went through

@@ -14,9 +14,10 @@ Invariants owned here:
   `done: true` and the statistics, or `{"error": ...}` when the request failed after the
   stream began. A client that goes away cancels its request (as on the OpenAI routes).
 - A chat that offers `tools` is answered as on the OpenAI route (daemon/structured.py parses
-  the calls out of the reply): `message.tool_calls` in Ollama's shape and `content` "". Its
-  stream is held until the reply is complete (only then is it known to be a call or text):
-  one object with the text or the calls, then the final object.
+  the calls out of the reply): `message.tool_calls` in Ollama's shape and `content` the text
+  before the calls ("" if none). Its stream sends the text that can no longer be part of a
+  call as it comes (structured.CallGate), then one object with the calls or the text held
+  back, then the final object.
 - A model's card (GGUF metadata, parameter count, sha256 of the file) is read off the event
   loop and kept while the file is unchanged (same device, inode, size and mtime).
 """
@@ -270,7 +271,8 @@ class OllamaRoutes:
             raise end_error(end.code, end.message)
         calls = self._tool_calls(rec)
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                text="" if calls else rec.text,
+                                text=structured.call_content(rec.text) or "" if calls
+                                else rec.text,
                                 done_reason=rec.finish_reason or "stop",
                                 stats=self._stats(rec, svc, t0), tool_calls=calls))
 
@@ -296,21 +298,26 @@ class OllamaRoutes:
 
     async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ServedModel,
                       t0: float) -> AsyncIterator[bytes]:
-        held = structured.may_call_tools(rec.request)  # a call or text: known at the end
+        # a reply that may call tools streams what can no longer be part of a call
+        gate = structured.CallGate() if structured.may_call_tools(rec.request) else None
         try:
             async for batch in rec.follow_batches(0):
+                pieces = [piece for _, piece in batch]
+                if gate is not None:
+                    pieces = ["".join([gate.feed(piece) for piece in pieces])]
                 out = [ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                    text=piece)) for _, piece in batch if piece and not held]
+                                    text=piece)) for piece in pieces if piece]
                 if out:
                     yield b"".join(out)
             end = rec.outcome
             if end is not None and end.code is not None:
                 yield ndjson({"error": end.message})
             else:
-                calls = self._tool_calls(rec) if held else None
-                if calls or (held and rec.text):
+                calls = self._tool_calls(rec) if gate is not None else None
+                text = gate.rest(bool(calls)) if gate is not None else ""
+                if calls or text:
                     yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                       text="" if calls else rec.text, tool_calls=calls))
+                                       text=text, tool_calls=calls))
                 yield ndjson(final(chat=oreq.chat, model=oreq.model, now=time.time(), text="",
                                    done_reason=rec.finish_reason or "stop",
                                    stats=self._stats(rec, svc, t0)))

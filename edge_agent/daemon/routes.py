@@ -214,11 +214,12 @@ class Router:
         if end is not None and end.code is not None:
             err = end_error(end.code, end.message, {"id": rec.id, **end.extra()})
             return Response(err.status, err.body())
+        calls = structured.tool_calls(rec.request, rec.text, rec.id)
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
-            text=rec.text, finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
-            completion_tokens=len(rec.tokens),
-            tool_calls=structured.tool_calls(rec.request, rec.text, rec.id),
+            text=structured.call_content(rec.text) or "" if calls else rec.text,
+            finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
+            completion_tokens=len(rec.tokens), tool_calls=calls,
             logprobs=self._logprobs(rec, 0, rec.logprobs_released),
             cached_tokens=rec.cached_tokens)
         return _json(200, body)
@@ -235,23 +236,37 @@ class Router:
         usage = rec.request.include_usage
         common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
                              "chat": rec.request.chat}
-        # a reply that may call tools is a call or text, known at the end: held till then
-        held = structured.may_call_tools(rec.request)
+        # a reply that may call tools streams what can no longer be part of a call
+        gate = structured.CallGate() if structured.may_call_tools(rec.request) else None
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)
+            whole = 0  # pieces whose text has all been sent
+            ends: list[int] = []  # where each piece's text ends in the reply (with a gate)
             async for batch in rec.follow_batches(0):
-                if held:
-                    continue
                 out = []  # one write for the pieces of one runner message
-                for i, piece in batch:
-                    upto = rec.piece_logprobs[i]
-                    if piece or upto > sent or (first and rec.request.chat):
+                if gate is not None:
+                    text = "".join([gate.feed(piece) for _, piece in batch])
+                    for _, piece in batch:
+                        ends.append((ends[-1] if ends else 0) + len(piece))
+                    while whole < len(ends) and ends[whole] <= gate.sent:
+                        whole += 1
+                    upto = rec.piece_logprobs[whole - 1] if whole else 0
+                    if text or upto > sent:
                         out.append(sse_event(completion_chunk(
-                            text=piece, finish_reason=None, first=first, include_usage=usage,
+                            text=text, finish_reason=None, first=first, include_usage=usage,
                             logprobs=self._logprobs(rec, sent, upto), **common)))
-                        first = False
-                        sent = upto
+                        first, sent = False, upto
+                else:
+                    for i, piece in batch:
+                        upto = rec.piece_logprobs[i]
+                        if piece or upto > sent or (first and rec.request.chat):
+                            out.append(sse_event(completion_chunk(
+                                text=piece, finish_reason=None, first=first,
+                                include_usage=usage,
+                                logprobs=self._logprobs(rec, sent, upto), **common)))
+                            first = False
+                            sent = upto
                 if out:
                     yield b"".join(out)
             end = rec.outcome
@@ -260,14 +275,16 @@ class Router:
                 yield sse_event(json.loads(end_error(end.code, end.message, extra).body()))
             else:
                 finish = rec.finish_reason
-                if held:
+                if gate is not None:
                     calls = structured.tool_calls(rec.request, rec.text, rec.id)
                     finish = "tool_calls" if calls else finish
-                    yield sse_event(completion_chunk(
-                        text=None if calls else rec.text, tool_calls=calls, finish_reason=None,
-                        first=first, include_usage=usage,
-                        logprobs=self._logprobs(rec, 0, rec.logprobs_released), **common))
-                    first, sent = False, rec.logprobs_released
+                    text = gate.rest(bool(calls))
+                    if calls or text or first or rec.logprobs_released > sent:
+                        yield sse_event(completion_chunk(
+                            text=text, tool_calls=calls, finish_reason=None, first=first,
+                            include_usage=usage,
+                            logprobs=self._logprobs(rec, sent, rec.logprobs_released), **common))
+                        first, sent = False, rec.logprobs_released
                 yield sse_event(completion_chunk(
                     text=None, finish_reason=finish, first=first,
                     include_usage=usage,

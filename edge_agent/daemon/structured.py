@@ -14,7 +14,13 @@ Invariants owned here:
   as user messages (docs/api.md).
 - `parse_tool_calls` recognizes `<tool_call>{json}</tool_call>` blocks, or a reply that is one
   JSON object {"name": NAME, "arguments": {...}} (a ```json fence around it allowed), NAME one
-  of the request's functions; anything else is text.
+  of the request's functions; anything else is text. A reply with blocks keeps the text
+  before the first as its content (`call_content`).
+- A stream of a reply that may call tools (`CallGate`) sends as text what can no longer be part
+  of a call, as it comes: the text before a `<tool_call>` (or before a tail that could begin
+  one), without its trailing whitespace; a reply whose first non-blank character is `{` or a
+  backtick (a bare or fenced JSON call) is held whole. The rest is known at the end: the calls
+  and, if none, the text held back. What a stream sends is what the unstreamed reply says.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from typing import Any
 from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
-__all__ = ["TOOLS_PROMPT", "chat_prompt", "grammar_for", "may_call_tools", "parse_tool_calls",
-           "tool_calls"]
+__all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "chat_prompt", "grammar_for",
+           "may_call_tools", "parse_tool_calls", "tool_calls"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -38,6 +44,7 @@ TOOLS_PROMPT = (
 )
 _RULE = {"auto": "Otherwise answer in plain text.", "required": "You must call a function.",
          "named": "You must call {name}."}
+_MARK = "<tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
@@ -208,3 +215,49 @@ def tool_calls(req: GenerationRequest, text: str, rid: str) -> list[dict[str, An
     return [{"id": f"call_{rid.removeprefix('req-')}_{i}", "type": "function",
              "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
             for i, (name, args) in enumerate(calls)]
+
+
+def call_content(text: str) -> str | None:
+    """The content of a reply that is a call: the text before its first `<tool_call>` block
+    without trailing whitespace (None: none, or a bare JSON call)."""
+    at = text.find(_MARK)
+    return (text[:at].rstrip() or None) if at > 0 else None
+
+
+class CallGate:
+    """What of a reply that may call tools a stream can send now (module docstring)."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the reply so far
+        self.sent = 0  # characters of it sent as text
+        self.shut = False  # a call may have begun: nothing more is sent before the end
+
+    def feed(self, piece: str) -> str:
+        """Add the next piece of the reply; the text that may be sent now ("" if none)."""
+        self.text += piece
+        if self.shut:
+            return ""
+        text = self.text
+        body = text.lstrip()
+        if not body:
+            return ""
+        if self.sent == 0 and body[0] in "{`":
+            self.shut = True  # a bare or fenced JSON call: the whole reply decides
+            return ""
+        at = text.find(_MARK, self.sent)
+        if at >= 0:
+            self.shut, limit = True, at
+        else:
+            limit = len(text) - next((k for k in range(min(len(_MARK) - 1, len(text)), 0, -1)
+                                      if text.endswith(_MARK[:k])), 0)
+        limit = len(text[:limit].rstrip())
+        if limit <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:limit], limit
+        return out
+
+    def rest(self, calls: bool) -> str:
+        """At the end: the text still to send (`calls`: the reply is a call, its content only)."""
+        if not calls:
+            return self.text[self.sent:]
+        return (call_content(self.text) or "")[self.sent:]

@@ -1113,12 +1113,14 @@ def completion_response(
     logprobs: dict[str, Any] | None = None, cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
-    tools: content null, finish_reason "tool_calls" (`logprobs`: chat_logprobs or
+    tools: content `text` (the text before the calls) or null, finish_reason "tool_calls"
+    (`logprobs`: chat_logprobs or
     completion_logprobs, when the request asked); `cached_tokens`: prompt tokens the prompt
     cache held (usage.prompt_tokens_details, as OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat and tool_calls:
-        choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        choice["message"] = {"role": "assistant", "content": text or None,
+                             "tool_calls": tool_calls}
         choice["finish_reason"] = "tool_calls"
     elif chat:
         choice["message"] = {"role": "assistant", "content": text}
