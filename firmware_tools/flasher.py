@@ -12,10 +12,10 @@ Invariants this module owns:
   back once at the end), continues an `erased` sector without erasing it again when its unwritten
   blocks still read 0xFF; without that job's progress it says so and reads before erasing.
 - Go (jump to the image base) is sent only after everything verified.
-- With `[reset] method = "dtr-rts"` the chip is reset into its bootloader through the
-  adapter's modem lines before the sync, BOOT0 is released before Go (the next reset boots
-  the image), and `read_flash` resets it back into its application when done
-  (firmware_tools/reset_lines.py).
+- With `[reset] method = "dtr-rts"` or `"gpio"` the chip is reset into its bootloader through
+  the adapter's modem lines or the host's GPIO lines before the sync, BOOT0 is released before
+  Go (the next reset boots the image), and `read_flash` resets it back into its application
+  when done (firmware_tools/reset_lines.py); GPIO lines are given back on every path.
 """
 
 from __future__ import annotations
@@ -171,18 +171,16 @@ def _connect(
         except BootloaderTimeout as exc:
             if not lines.driven:
                 raise
-            c = profile.reset
             raise BootloaderTimeout(
-                f"{exc} This board profile ({profile.name}) reset the chip through the "
-                f"adapter: NRST on {c.reset_line}{' inverted' if c.reset_invert else ''}, "
-                f"BOOT0 on {c.boot0_line}{' inverted' if c.boot0_invert else ''}; if the "
-                "board is wired otherwise (other lines, an inverter), set reset_line, "
-                "boot0_line, reset_invert and boot0_invert under [reset] in a copy of the "
-                "profile, or method = \"manual\" to reset it by hand."
+                f"{exc} This board profile ({profile.name}) reset the chip through "
+                f"{lines.wiring()}; if the board is wired otherwise (other lines, an "
+                "inverter), set reset_line, boot0_line, reset_invert and boot0_invert under "
+                "[reset] in a copy of the profile, or method = \"manual\" to reset it by hand."
             ) from None
         bl.get()
         bl.check_chip(profile.chip_ids, profile.name)
     except BaseException:
+        lines.close()
         if name:
             bl.close()
         else:
@@ -330,6 +328,7 @@ def flash_elf(
         result.journal = None  # done: the progress file is gone, nothing to resume
         report(total, total, "done")
     finally:
+        lines.close()
         if isinstance(port_url, str):
             bl.close()
         else:
@@ -461,6 +460,7 @@ def read_flash(
                     progress(len(buf), size, "read")
             lines.run_application()  # back to what it ran, when the lines brought it here
         finally:
+            lines.close()
             if isinstance(port_url, str):
                 bl.close()
             else:

@@ -113,9 +113,10 @@ class LineControl:
     method 'dtr-rts': `reset_line`/`boot0_line` are 'dtr' or 'rts'. Asserting a line means
     setting it True in pyserial; `reset_invert`/`boot0_invert` flip that (for adapters wired
     through an inverter). Asserted reset line = NRST held low; asserted BOOT0 line = BOOT0 high.
-    method 'gpio': `gpio_chip` (e.g. 'gpiochip0') and line offsets `reset_line`/`boot0_line`;
-    the invert flags mean the line is active low (validated; not driven yet: the flasher says
-    so and expects the chip in its bootloader).
+    method 'gpio': `gpio_chip` (as `gpiodetect` names it: 'gpiochip0', a /dev path or the
+    chip's label) and line offsets `reset_line`/`boot0_line`; an asserted reset line is driven
+    low, an asserted BOOT0 line high (a pin wired straight to the chip), and the invert flags
+    flip that (a transistor or an inverter in between).
     method 'manual': the user sets BOOT0 and presses reset when asked.
     """
 

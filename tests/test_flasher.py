@@ -304,9 +304,13 @@ def test_a_manual_profile_leaves_the_lines_alone(
         flash_elf(fw.elf(), manual, sim(tmp_path / "f.bin", WIRED))
     assert "This board profile" not in str(e.value)
     assert flash_elf(fw.elf(), manual, sim(tmp_path / "f.bin")).went  # one reset by hand
-    gpio = _profile_with(tmp_path, 'method = "gpio"\ngpio_chip = "gpiochip0"\nreset_line = 3\n'
-                         'boot0_line = 4')
-    result = flash_elf(fw.elf(), gpio, sim(tmp_path / "g.bin"))
-    assert result.went and result.warnings == [
-        "[reset] method gpio (gpiochip0 lines 3, 4) is not driven by this version: put the "
-        "board in its bootloader by hand (BOOT0 high, then reset)"]
+    from firmware_tools.gpio_lines import GpioError
+
+    # wired to a GPIO chip this host does not have (driven for real: tests/test_qemu_flash.py)
+    gpio = _profile_with(tmp_path, 'method = "gpio"\ngpio_chip = "no-such-chip"\n'
+                         'reset_line = 3\nboot0_line = 4')
+    with pytest.raises(GpioError) as g:
+        flash_elf(fw.elf(), gpio, sim(tmp_path / "g.bin"))
+    assert str(g.value).startswith("GPIO chip 'no-such-chip': no chip with that name or label")
+    assert "Hint: set gpio_chip under [reset]" in str(g.value)
+    assert (tmp_path / "g.bin").read_bytes().count(0xFF) == len((tmp_path / "g.bin").read_bytes())
