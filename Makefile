@@ -43,7 +43,7 @@ run: venv
 	@echo "  $(VENV)/bin/edge-agent status"
 	@serial=; \
 	if command -v socat >/dev/null; then \
-	    socat pty,raw,echo=0,link=$(abspath $(STATE))/console pty,raw,echo=0,link=$(abspath $(STATE))/uart & \
+	    $$(command -v setsid) socat pty,raw,echo=0,link=$(abspath $(STATE))/console pty,raw,echo=0,link=$(abspath $(STATE))/uart & \
 	    socat_pid=$$!; trap "kill $$socat_pid 2>/dev/null" EXIT INT TERM; \
 	    while [ ! -e $(STATE)/uart ] && kill -0 $$socat_pid 2>/dev/null; do sleep 0.05; done; \
 	    if [ -e $(STATE)/uart ]; then \

@@ -486,7 +486,8 @@ def test_make_run_from_a_fresh_checkout_makes_its_state_and_serial_console(
         tmp_path: Path) -> None:
     """The Makefile's own `run` recipe where no state directory exists yet (a fresh clone):
     socat's pty pair is made inside it, the daemon serves with the serial console on the pty,
-    and Ctrl-C stops daemon and socat (no link left behind)."""
+    and Ctrl-C stops the daemon, then socat (no link lost while the daemon drains, no link left
+    behind)."""
     from daemon_proc import daemon_env
     from interrupt import foreground
 
@@ -513,11 +514,15 @@ def test_make_run_from_a_fresh_checkout_makes_its_state_and_serial_console(
         assert health["serial"] == [{"url": str(state / "uart"), "up": True, "link_lost": 0,
                                      "reopens": 0, "open_failures": 0}], health["serial"]
         assert (state / "console").is_symlink()
+        status, out = d.json("POST", "/v1/completions", {"prompt": "Once", "max_tokens": 4})
+        assert status == 200, out  # a model loaded: the drain outlasts a Ctrl-C'd socat
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
         proc.wait(60)
         text = log.read_text(errors="replace")
         assert "serial console on a pty: picocom -b 115200 " + str(state / "console") in text
         assert "edge-agent: stopped" in text and "Traceback" not in text, text[-3000:]
+        # socat has its own session: the terminal's Ctrl-C is not its, it goes after the daemon
+        assert "link lost" not in text, text[-3000:]
         assert not (state / "console").is_symlink() and not (state / "uart").is_symlink()
     finally:
         with contextlib.suppress(ProcessLookupError):
