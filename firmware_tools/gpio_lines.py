@@ -10,6 +10,8 @@ Invariants this module owns:
   consumer label (`gpioinfo` shows who holds them), and are held until `close`; closing the
   request gives them back to the kernel. Values are logical: a line configured active-low is
   driven low when set True (the kernel's GPIO_V2_LINE_FLAG_ACTIVE_LOW does the inversion).
+- A path is opened only when it is a GPIO chip's character device (sysfs says which subsystem
+  a device belongs to): opening some devices acts (a watchdog starts counting).
 - Every failure is a `GpioError` naming the chip (and the line) and what to do: an offset past
   the chip's last line, a line another consumer holds (named, from the line's info), a device
   that is not a GPIO chip, no permission.
@@ -25,6 +27,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -95,7 +98,27 @@ GET_VALUES = _ioc(_RW, 0x0E, ctypes.sizeof(LineValues))
 SET_VALUES = _ioc(_RW, 0x0F, ctypes.sizeof(LineValues))
 
 
+def _subsystem(path: Path) -> str | None:
+    """The kernel subsystem of character device `path` ("gpio" for a chip), None if unknown."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # the open below names the error
+    if not stat.S_ISCHR(st.st_mode):
+        return "not a character device"
+    link = Path(f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/subsystem")
+    try:
+        return os.path.basename(os.readlink(link))
+    except OSError:
+        return None  # no sysfs here: the chip-info ioctl decides
+
+
 def _open(path: Path) -> int:
+    kind = _subsystem(path)
+    if kind is not None and kind != "gpio":  # not opened: opening some devices acts
+        what = kind if " " in kind else f"a {kind} device"
+        raise GpioError(f"{str(path)!r} is not a GPIO chip ({what}). Hint: name a chip as "
+                        "`gpiodetect` prints it: gpiochipN, /dev/gpiochipN or its label.")
     try:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except PermissionError:

@@ -80,10 +80,13 @@ def test_the_layouts_and_ioctl_numbers_are_the_kernel_headers(tmp_path: Path) ->
 
 
 def test_a_chip_that_cannot_be_used_is_named_with_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(g.GpioError) as e:
+    with pytest.raises(g.GpioError) as e:  # told by sysfs, not opened: some devices act on open
         g.GpioOutputs("/dev/null", {3: True}, consumer="test")
-    assert str(e.value).startswith("'/dev/null' is not a GPIO chip (")
-    assert "Hint: name a chip as `gpiodetect` prints it" in str(e.value)
+    assert str(e.value).startswith("'/dev/null' is not a GPIO chip (a mem device). Hint: name "
+                                   "a chip as `gpiodetect` prints it")
+    with pytest.raises(g.GpioError) as e:
+        g.GpioOutputs(str(tmp_path), {3: True}, consumer="test")
+    assert f"'{tmp_path}' is not a GPIO chip (not a character device)" in str(e.value)
     with pytest.raises(g.GpioError) as e:
         g.GpioOutputs(str(tmp_path / "gpiochip9"), {3: True}, consumer="test")
     assert f"GPIO chip '{tmp_path / 'gpiochip9'}': No such file or directory" in str(e.value)
