@@ -42,6 +42,7 @@ ATTRS_MAX = 10  # GPIO_V2_LINE_NUM_ATTRS_MAX
 FLAG_USED = 1 << 0  # GPIO_V2_LINE_FLAG_USED
 FLAG_ACTIVE_LOW = 1 << 1
 FLAG_OUTPUT = 1 << 3
+ATTR_FLAGS = 1  # GPIO_V2_LINE_ATTR_ID_FLAGS
 ATTR_OUTPUT_VALUES = 2  # GPIO_V2_LINE_ATTR_ID_OUTPUT_VALUES
 
 
@@ -209,7 +210,7 @@ class GpioOutputs:
         n = 0
         if low:  # the active-low lines get their own flags
             a = req.config.attrs[n]
-            a.attr.id, a.attr.value = 1, FLAG_OUTPUT | FLAG_ACTIVE_LOW  # ID_FLAGS
+            a.attr.id, a.attr.value = ATTR_FLAGS, FLAG_OUTPUT | FLAG_ACTIVE_LOW
             a.mask = sum(1 << i for i in low)
             n += 1
         a = req.config.attrs[n]  # every line released: logical 0

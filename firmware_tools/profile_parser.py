@@ -240,9 +240,10 @@ class ProfileParser:
                 raise self.fail(where, f"{key} is set but method is manual",
                                 'remove it, or set method = "dtr-rts" or "gpio".')
             lines[key] = value
-        if method == "dtr-rts" and lines["reset_line"] == lines["boot0_line"]:
+        if method != "manual" and lines["reset_line"] == lines["boot0_line"]:
             raise self.fail(where, "reset_line and boot0_line are the same line",
-                            "wire NRST and BOOT0 to different lines (dtr and rts).")
+                            "wire NRST and BOOT0 to different lines ("
+                            + ("dtr and rts)." if method == "dtr-rts" else "two offsets)."))
         chip = t.get("gpio_chip")
         if method == "gpio":
             chip = self.str_(t, "gpio_chip", where)

@@ -194,6 +194,10 @@ def test_gpio_reset_needs_a_chip(tmp_path: Path) -> None:
     reset = load_profile(ok).reset
     assert (reset.method, reset.gpio_chip, reset.reset_line, reset.boot0_line) == (
         "gpio", "gpiochip0", 17, 27)
+    same = tmp_path / "same.toml"
+    same.write_text(ok.read_text().replace("boot0_line = 27", "boot0_line = 17"))
+    assert ("reset_line and boot0_line are the same line. Hint: wire NRST and BOOT0 to "
+            "different lines (two offsets).") in str(_bad(tmp_path, same.read_text()))
 
 
 def test_unknown_name_lists_profiles() -> None:

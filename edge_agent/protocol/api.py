@@ -1114,9 +1114,9 @@ def completion_response(
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
     tools: content `text` (the text before the calls) or null, finish_reason "tool_calls"
-    (`logprobs`: chat_logprobs or
-    completion_logprobs, when the request asked); `cached_tokens`: prompt tokens the prompt
-    cache held (usage.prompt_tokens_details, as OpenAI reports its own prompt caching)."""
+    (`logprobs`: chat_logprobs or completion_logprobs, when the request asked);
+    `cached_tokens`: prompt tokens the prompt cache held (usage.prompt_tokens_details, as
+    OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat and tool_calls:
         choice["message"] = {"role": "assistant", "content": text or None,
