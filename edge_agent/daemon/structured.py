@@ -238,22 +238,21 @@ class CallGate:
         if self.shut:
             return ""
         text = self.text
-        body = text.lstrip()
-        if not body:
-            return ""
-        if self.sent == 0 and body[0] in "{`":
-            self.shut = True  # a bare or fenced JSON call: the whole reply decides
-            return ""
+        if self.sent == 0:
+            body = text.lstrip()
+            if not body:
+                return ""
+            if body[0] in "{`":
+                self.shut = True  # a bare or fenced JSON call: the whole reply decides
+                return ""
         at = text.find(_MARK, self.sent)
         if at >= 0:
             self.shut, limit = True, at
         else:
             limit = len(text) - next((k for k in range(min(len(_MARK) - 1, len(text)), 0, -1)
                                       if text.endswith(_MARK[:k])), 0)
-        limit = len(text[:limit].rstrip())
-        if limit <= self.sent:
-            return ""
-        out, self.sent = text[self.sent:limit], limit
+        out = text[self.sent:limit].rstrip()  # trailing whitespace waits for what follows
+        self.sent += len(out)
         return out
 
     def rest(self, calls: bool) -> str:
