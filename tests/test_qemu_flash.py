@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import threading
 import time
@@ -113,26 +114,14 @@ def test_flash_over_a_silent_uart_fails_with_a_hint(arm64: GuestImage,
     assert set(sim.flash) == {0xFF}
 
 
-# Polls the kernel's view of the PL061's lines (debugfs) and logs every change of the lines held
-# by `edge-agent flash`: "<ms> <offset>=<hi|lo> ..." (nothing held: "<ms> -").
-WATCH = r'''
-import re, sys, time
-base, last, t0 = None, None, time.monotonic()
-while True:
-    text = open("/sys/kernel/debug/gpio").read()
-    base = int(re.search(r"GPIOs (\d+)-", text).group(1))
-    held = sorted((int(m.group(1)) - base, m.group(2)) for m in re.finditer(
-        r"gpio-(\d+) \([^|]*\|edge-agent flash\s*\) out (hi|lo)", text))
-    now = " ".join(f"{o}={v}" for o, v in held) or "-"
-    if now != last:
-        print(f"{(time.monotonic() - t0) * 1000:.0f} {now}", flush=True)
-        last = now
-    time.sleep(0.002)
-'''
+# Holds line 1 of the PL061, as another program using the chip would.
 HOLD = ("import sys, time; sys.path.insert(0, '/opt/edge-agent')\n"
         "from firmware_tools.gpio_lines import GpioOutputs\n"
         "GpioOutputs('gpiochip0', {1: False}, consumer='someone else'); print('held', flush=True)\n"
         "time.sleep(600)\n")
+TRACE = "/sys/kernel/debug/tracing"
+# the kernel's gpio_value tracepoint: every level gpiolib drives onto a line, timestamped
+_EVENT = re.compile(r"\s(\d+\.\d+): gpio_value: (\d+) set (\d)")
 
 
 def _gpio_profile(label: str, invert: bool = False) -> bytes:
@@ -144,28 +133,10 @@ def _gpio_profile(label: str, invert: bool = False) -> bytes:
             f'boot0_line = 1\nreset_invert = {flip}\nboot0_invert = {flip}\n').encode()
 
 
-def _levels(out: str, section: str) -> list[tuple[float, str]]:
-    text = out[out.index(f"== {section}"):].splitlines()[1:]
-    rows = [line.split(" ", 1) for line in text[: next((k for k, line in enumerate(text)
-                                                        if line.startswith("==")), len(text))]]
-    return [(float(t), s) for t, s in rows if s]
-
-
-def _check_sequence(states: list[tuple[float, str]], lo: str, hi: str) -> float:
-    """The lines' changes (NRST on 0, BOOT0 on 1; `lo`/`hi`: the levels that mean low and high
-    at the chip) are the reset into the bootloader; returns how long NRST was held low (ms)."""
-    seen = [s.replace("hi", "H").replace("lo", "L").replace(lo, "l").replace(hi, "h")
-            for _, s in states]
-    assert seen[0] == "-" and seen[-1] == "-", seen  # not held before, given back after
-    held = seen[1:-1]
-    assert "0=l 1=l" not in held, held  # never reset with BOOT0 low (that runs the app)
-    i = held.index("0=l 1=h")  # NRST pulled low with BOOT0 high ...
-    assert held[i + 1:] == ["0=h 1=h", "0=h 1=l"], held  # ... released, BOOT0 low at the end
-    # before it: requested released (NRST high, BOOT0 low), then BOOT0 high; microseconds
-    # apart, so a poll may see neither
-    assert held[:i] in ([], ["0=h 1=l"], ["0=h 1=h"], ["0=h 1=l", "0=h 1=h"]), held
-    times = [t for t, _ in states[1:-1]]
-    return times[i + 1] - times[i]
+def _section(out: str, name: str) -> str:
+    start = out.index(f"== {name}\n") + len(name) + 4
+    end = out.find("\n== ", start)
+    return out[start: end if end >= 0 else len(out)]
 
 
 def test_flash_resets_the_chip_through_the_guests_gpio_lines(
@@ -173,27 +144,33 @@ def test_flash_resets_the_chip_through_the_guests_gpio_lines(
     """`[reset] method = "gpio"` on a real kernel's GPIO character device: the arm64 guest's
     PL061, NRST on line 0, BOOT0 on line 1. A line another consumer holds is an error naming
     that consumer; then a flash wired straight (the chip named by its label) and one through
-    inverters each drive the reset sequence, which debugfs shows as the chip sees it, and give
-    the lines back."""
+    inverters each drive the reset sequence onto the pins, as the kernel's gpio_value
+    tracepoint records it (every level set, timestamped by the kernel), and give the lines
+    back (debugfs lists no line of theirs after)."""
     fw = firmware.builder(tmp_path_factory)
     elf, expected = fw.elf("good"), fw.objcopy_bin("good").read_bytes()
-    flash = ("python3 -m edge_agent --state-dir /tmp/state flash /ea/fw.elf --board /ea/gpio.toml "
-             "--port /dev/ttyAMA0 --json")
-    run = ("python3 /ea/watch.py > /tmp/{0}.log & W=$!; sleep 1; "
-           f"{flash.replace('gpio.toml', '{0}.toml')} {{1}} > /tmp/{{0}}.json; "
-           "echo \"{0} rc=$?\"; sleep 0.5; kill $W; ")
+    flash = ("python3 -m edge_agent --state-dir /tmp/state flash /ea/fw.elf --board /ea/{0}.toml "
+             "--port /dev/ttyAMA0 --json {1}")
+    run = (f"echo > {TRACE}/trace; echo 1 > {TRACE}/events/gpio/gpio_value/enable; "
+           f"{flash} > /tmp/{{0}}.json; echo \"{{0}} rc=$?\"; "
+           f"echo 0 > {TRACE}/events/gpio/gpio_value/enable; "
+           f"grep gpio_value {TRACE}/trace > /tmp/{{0}}.trace; "
+           "grep -c 'edge-agent flash' /sys/kernel/debug/gpio > /tmp/{0}.held; ")
     cmd = ("mount -t debugfs none /sys/kernel/debug; "
+           "echo \"== base\"; grep -o 'GPIOs [0-9]*' /sys/kernel/debug/gpio; "
            "python3 /ea/hold.py > /tmp/hold.log & H=$!; "
            "until grep -q held /tmp/hold.log; do sleep 0.1; done; "
-           f"{flash} > /tmp/busy.json; echo \"busy rc=$?\"; cat /tmp/busy.json; kill $H; wait $H; "
+           f"{flash.format('gpio', '')} > /tmp/busy.json; echo \"busy rc=$?\"; "
+           "cat /tmp/busy.json; kill $H; wait $H; "
            + run.format("gpio", "--no-go") + run.format("inverted", "")  # the chip stays in its
            # bootloader for the second (the simulator cannot see the guest's lines reset it)
            + "for f in gpio inverted; do echo \"== $f\"; cat /tmp/$f.json; "
-           "echo \"== $f levels\"; cat /tmp/$f.log; done")
+           "echo \"== $f trace\"; cat /tmp/$f.trace; echo \"== $f held\"; cat /tmp/$f.held; "
+           "done")
     sim = simulator_from_query({"chip": "f405"})
     files = {"/ea/fw.elf": elf.read_bytes(), "/ea/gpio.toml": _gpio_profile("9030000.pl061"),
              "/ea/inverted.toml": _gpio_profile("gpiochip0", invert=True),
-             "/ea/watch.py": WATCH.encode(), "/ea/hold.py": HOLD.encode()}
+             "/ea/hold.py": HOLD.encode()}
     with Arm64Guest(cmd, uart=True, image=arm64, files=files) as g:
         assert g.uart_path is not None
         with Pump(sim, g.uart_path):
@@ -204,14 +181,21 @@ def test_flash_resets_the_chip_through_the_guests_gpio_lines(
     assert "busy rc=1" in out, out
     assert ("GPIO chip gpiochip0 [9030000.pl061]: line 1 is in use by 'someone else'. Hint: "
             "stop what holds it") in out, out
-    # the flashes: straight wiring (the chip by its label), then through inverters
+    base = int(_section(out, "base").split()[1])
+    # what the pins must do, (line, level) in order: requested released (NRST high, BOOT0 low),
+    # BOOT0 high, NRST low, NRST high (the chip starts its bootloader), BOOT0 low before Go
+    straight = [(0, 1), (1, 0), (1, 1), (0, 0), (0, 1), (1, 0)]
     pulses = []
-    for name, lo, hi in (("gpio", "L", "H"), ("inverted", "H", "L")):
+    for name, levels in (("gpio", straight), ("inverted", [(o, 1 - v) for o, v in straight])):
         assert f"{name} rc=0" in out, out
-        summary = json.loads(out[out.index("{", out.index(f"== {name}\n")):
-                                 out.index(f"== {name} levels")])
+        summary = json.loads(_section(out, name))
         assert summary["went"] is (name == "inverted"), summary
-        pulses.append(_check_sequence(_levels(out, f"{name} levels"), lo, hi))
-        assert pulses[-1] >= 80, (pulses, out)  # pulse_s = 0.1 (the guest polls every ~2 ms)
+        events = [(float(t), int(n) - base, int(v))
+                  for t, n, v in _EVENT.findall(_section(out, f"{name} trace"))]
+        assert [(o, v) for _, o, v in events] == levels, (name, events)
+        pulses.append(events[4][0] - events[3][0])  # NRST held low: pulse_s = 0.1
+        assert pulses[-1] >= 0.095, (name, events)
+        assert _section(out, f"{name} held").strip() == "0", out  # given back
     assert sim.flash[: len(expected)] == expected and sim.running_at == 0x08000000
-    print(f"gpio reset: NRST low {pulses[0]:.0f} ms (straight), {pulses[1]:.0f} ms (inverted)")
+    print(f"gpio reset: NRST low {pulses[0] * 1000:.1f} ms (straight), "
+          f"{pulses[1] * 1000:.1f} ms (inverted)")
