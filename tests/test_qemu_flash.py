@@ -3,6 +3,9 @@
 PL011's pty, and the host checks the simulated flash byte for byte against
 `arm-none-eabi-objcopy -O binary` of the same ELF (built on the host by tests/firmware.py).
 
+The same flash with `[reset] method = "gpio"` drives the reset sequence onto the guest's PL061
+GPIO lines through the kernel's GPIO character device; the kernel's own tracepoint records it.
+
 The pump below is the simulator's serving loop (firmware_tools.urlhandler.serve.serve_fd) with a
 stop flag, since here QEMU, not the simulator, owns the pty.
 """
