@@ -58,20 +58,19 @@ class ResetLines:
         self.boot0_high = False
         self.gpio: GpioOutputs | None = None
 
+    def _drive(self, line: str | int | None, asserted: bool, invert: bool) -> None:
+        if self.gpio is not None:  # polarity given to the kernel when the lines were requested
+            self.gpio.set({int(line or 0): asserted})
+        else:
+            setattr(self.port, str(line), _level(asserted, invert))
+
     def _set(self, reset: bool | None = None, boot0: bool | None = None) -> None:
         c = self.control
-        if self.gpio is not None:
-            if boot0 is not None:
-                self.gpio.set({int(c.boot0_line or 0): boot0})
-                self.boot0_high = boot0
-            if reset is not None:
-                self.gpio.set({int(c.reset_line or 0): reset})
-            return
         if boot0 is not None:
-            setattr(self.port, str(c.boot0_line), _level(boot0, c.boot0_invert))
+            self._drive(c.boot0_line, boot0, c.boot0_invert)
             self.boot0_high = boot0
         if reset is not None:
-            setattr(self.port, str(c.reset_line), _level(reset, c.reset_invert))
+            self._drive(c.reset_line, reset, c.reset_invert)
 
     def _pulse(self, boot0: bool) -> None:
         self._set(boot0=boot0, reset=True)

@@ -271,8 +271,7 @@ class OllamaRoutes:
             raise end_error(end.code, end.message)
         calls = self._tool_calls(rec)
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                text=structured.call_content(rec.text) or "" if calls
-                                else rec.text,
+                                text=structured.reply_content(rec.text, bool(calls)),
                                 done_reason=rec.finish_reason or "stop",
                                 stats=self._stats(rec, svc, t0), tool_calls=calls))
 

@@ -217,7 +217,7 @@ class Router:
         calls = structured.tool_calls(rec.request, rec.text, rec.id)
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
-            text=structured.call_content(rec.text) or "" if calls else rec.text,
+            text=structured.reply_content(rec.text, bool(calls)),
             finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
             completion_tokens=len(rec.tokens), tool_calls=calls,
             logprobs=self._logprobs(rec, 0, rec.logprobs_released),
@@ -246,9 +246,10 @@ class Router:
             async for batch in rec.follow_batches(0):
                 out = []  # one write for the pieces of one runner message
                 if gate is not None:
-                    text = "".join([gate.feed(piece) for _, piece in batch])
+                    text = ""
                     for _, piece in batch:
-                        ends.append((ends[-1] if ends else 0) + len(piece))
+                        text += gate.feed(piece)
+                        ends.append(len(gate.text))
                     while whole < len(ends) and ends[whole] <= gate.sent:
                         whole += 1
                     upto = rec.piece_logprobs[whole - 1] if whole else 0

@@ -35,7 +35,7 @@ from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
 __all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "chat_prompt", "grammar_for",
-           "may_call_tools", "parse_tool_calls", "tool_calls"]
+           "may_call_tools", "parse_tool_calls", "reply_content", "tool_calls"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -224,6 +224,12 @@ def call_content(text: str) -> str | None:
     return (text[:at].rstrip() or None) if at > 0 else None
 
 
+def reply_content(text: str, calls: bool) -> str:
+    """What a reply says as text: all of it, or for a call (`calls`) its `call_content`
+    ("" if none). The unstreamed replies and a gated stream send exactly this."""
+    return (call_content(text) or "") if calls else text
+
+
 class CallGate:
     """What of a reply that may call tools a stream can send now (module docstring)."""
 
@@ -257,6 +263,4 @@ class CallGate:
 
     def rest(self, calls: bool) -> str:
         """At the end: the text still to send (`calls`: the reply is a call, its content only)."""
-        if not calls:
-            return self.text[self.sent:]
-        return (call_content(self.text) or "")[self.sent:]
+        return reply_content(self.text, calls)[self.sent:]
