@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,7 +139,8 @@ def test_api_validates_response_format_and_tools() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert bad({"tools": tools, "tool_choice": {"type": "function",
                                                 "function": {"name": "g"}}}).param == "tool_choice"
-    assert bad({"tools": tools, "session": "s1"}).param == "session"
+    assert parse_generation({"messages": msgs, "tools": tools, "session": "s1"}, chat=True,
+                            max_tokens_limit=9).session == "s1"  # the session keeps the tools
     assert parse_generation({"messages": msgs, "tools": tools, "stream": True}, chat=True,
                             max_tokens_limit=9).stream is True  # held till the end, then sent
     assert bad({"messages": [{"role": "tool", "content": "1"}]}).param == \
@@ -237,6 +239,8 @@ def client(request: pytest.FixtureRequest, prepared_state_dir: Path) -> Iterator
     with launch(Daemon, root, serve_argv(cfg)) as d:
         c = _client(d)
         c.engine = request.param  # type: ignore[attr-defined]
+        c.daemon = d  # type: ignore[attr-defined]
+        c.journal = prepared_state_dir / "journal.sqlite3"  # type: ignore[attr-defined]
         yield c
         c.close()
 
@@ -368,3 +372,80 @@ def test_a_streamed_reply_that_may_call_tools_is_the_unstreamed_reply(
                 e.token for e in whole.choices[0].logprobs.content or ()]
         kinds.add(bool(msg.tool_calls))
     assert kinds == {True, False}  # both a call and text went through
+
+
+def _session_row(journal: Path, sid: str) -> tuple[list[int], str | None, str | None]:
+    from edge_agent.journal.store import unpack_ids
+
+    raw = sqlite3.connect(journal)
+    try:
+        row = raw.execute("SELECT history, tools, calls FROM sessions WHERE id = ?",
+                          (sid,)).fetchone()
+        return unpack_ids(row[0]), row[1], row[2]
+    finally:
+        raw.close()
+
+
+def _prompt_ids(journal: Path, rid: str) -> list[int]:
+    from edge_agent.journal.store import unpack_ids
+
+    raw = sqlite3.connect(journal)
+    try:
+        return unpack_ids(raw.execute("SELECT prompt_ids FROM requests WHERE id = ?",
+                                      (rid,)).fetchone()[0])
+    finally:
+        raw.close()
+
+
+def test_a_session_keeps_its_tools_and_the_names_of_its_calls(client: openai.OpenAI) -> None:
+    """Turn 1 offers a tool and calls it; turn 2 sends only the tool's result: its prompt is the
+    history plus that result, naming the function the call id called (kept with the session in
+    the journal), without a second listing of the tools. A turn with other tools is a 400
+    naming `tools`, and the session is kept as it was."""
+    d, journal = client.daemon, client.journal  # type: ignore[attr-defined]
+    sid = f"tools-{client.engine}"  # type: ignore[attr-defined]
+    ask: dict[str, Any] = {"model": "smollm2", "tools": [WEATHER], "temperature": 0,
+                           "extra_body": {"session": sid}}
+    r1 = client.chat.completions.create(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tool_choice="required", max_tokens=120, **ask)
+    assert r1.choices[0].finish_reason == "tool_calls", r1
+    call = r1.choices[0].message.tool_calls[0]
+    history, tools, calls = _session_row(journal, sid)
+    assert json.loads(tools or "null") == [WEATHER["function"]]
+    assert json.loads(calls or "null") == {call.id: "get_weather"}
+    assert history[:len(_prompt_ids(journal, r1.id))] == _prompt_ids(journal, r1.id)
+
+    r2 = client.chat.completions.create(
+        messages=[{"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}],
+        tool_choice="none", max_tokens=30, **ask)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls, r2
+    p2 = _prompt_ids(journal, r2.id)
+    assert p2[:len(history)] == history and r2.usage.prompt_tokens == len(p2)
+
+    def text(ids: list[int]) -> str:
+        status, body = d.json("POST", "/detokenize", {"tokens": ids, "model": "smollm2"})
+        assert status == 200, body
+        return str(body["content"])
+
+    turn = text(p2[len(history):])
+    assert f"Result of get_weather (call {call.id}): 18 degrees, sunny" in turn, turn
+    assert text(p2).count("You can call functions") == 1  # listed once, by the first turn
+    after, _, calls2 = _session_row(journal, sid)
+    assert after[:len(p2)] == p2 and json.loads(calls2 or "null") == {call.id: "get_weather"}
+
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    for tools_now, says in (([other], "this turn has the tools get_time"),
+                            (None, "this turn has no tools"),
+                            ([{"type": "function", "function": {
+                                **WEATHER["function"], "description": "Weather."}}],
+                             "has the tools get_weather defined otherwise")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                messages=[{"role": "user", "content": "And in Oslo?"}], max_tokens=5,
+                **{**ask, "tools": tools_now or openai.NOT_GIVEN})
+        assert info.value.param == "tools", info.value
+        message = info.value.message
+        assert f"session '{sid}' began with the tools get_weather;" in message, message
+        assert says in message and "Hint:" in message, message
+    assert _session_row(journal, sid)[0] == after  # refused turns leave the history alone

@@ -529,3 +529,51 @@ def test_make_run_from_a_fresh_checkout_makes_its_state_and_serial_console(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         notify.close()
+
+
+def test_make_run_without_socat_serves_without_the_serial_console(tmp_path: Path) -> None:
+    """`make run` where socat is not installed (PATH has every command but socat): the recipe
+    says how to get the console, the daemon serves without a serial port, and Ctrl-C stops
+    it."""
+    from daemon_proc import daemon_env
+    from interrupt import foreground
+
+    bin_dir = tmp_path / "bin"  # the caller's PATH, socat left out
+    bin_dir.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                target = bin_dir / entry.name
+                if entry.name != "socat" and not target.exists():
+                    target.symlink_to(entry.path)
+    state = tmp_path / "clone" / ".state"
+    venv = Path(sys.executable).parent.parent
+    env = daemon_env(tmp_path, {"EDGE_AGENT_MODELS__SMOLLM2__CONTEXT": str(CONTEXT),
+                                "EDGE_AGENT_MODELS__SMOLLM2__MAX_BATCH": "2",
+                                "EDGE_AGENT_RUNTIME__MLOCK": "off", "PATH": str(bin_dir)})
+    assert shutil.which("socat", path=env["PATH"]) is None and shutil.which("make")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    log = tmp_path / "make-run.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([str(shutil.which("make")), "--no-print-directory", "-C",
+                                 str(REPO), "-o", "venv", "run", f"STATE={state}",
+                                 f"VENV={venv}"], env=env, stdout=fh, stderr=fh,
+                                preexec_fn=foreground, start_new_session=True)
+    d = Daemon(tmp_path, proc, notify, log)
+    d.sock = state / "edge-agent.sock"
+    try:
+        d.wait_notify("READY=1", 180)
+        health = d.health()
+        assert health["status"] == "serving" and "serial" not in health, health  # no port
+        assert not (state / "console").exists() and not (state / "uart").exists()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+        text = log.read_text(errors="replace")
+        assert "(install socat to get the serial console on a pty)" in text, text[-3000:]
+        assert "edge-agent: stopped" in text and "Traceback" not in text, text[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        notify.close()

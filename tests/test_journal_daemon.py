@@ -8,6 +8,7 @@ needs no tokenizer cache)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -263,6 +264,57 @@ def test_session_continues_after_a_restart(root: Path, shared: dict[str, Any],
     kill(start(root))  # put back once: the next start has nothing pending
     assert (root / "daemon.log").read_text().count(restored) == 1
     assert sessions_history(journal, "chat-1") == full
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+
+
+def test_a_session_turn_put_back_at_start_keeps_its_tools_and_calls(
+        root: Path, shared: dict[str, Any], engine: str) -> None:
+    """A tool-calling turn whose session save a crash prevented is put back at the next start
+    from the journaled request and tokens, with the session's tools and the name behind its
+    call id: the next turn's tool result still names the function."""
+    write_config(root, shared["state"], {"smollm2": (None, True)}, context=1024, max_batch=1,
+                 engine=engine)
+    journal = root / "journal.sqlite3"
+    ask = {"model": "smollm2", "session": "tools-1", "tools": [WEATHER], "temperature": 0}
+    d = start(root)
+    try:
+        status, r1 = d.json("POST", "/v1/chat/completions", {
+            **ask, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tool_choice": "required", "max_tokens": 60})
+        assert status == 200 and r1["choices"][0]["finish_reason"] == "tool_calls", r1
+    finally:
+        kill(d)
+    call = r1["choices"][0]["message"]["tool_calls"][0]
+    row = "SELECT history, tools, calls FROM sessions WHERE id = 'tools-1'"
+    saved = _journal_row(root, row)
+    assert json.loads(saved[2]) == {call["id"]: "get_weather"}
+    raw = sqlite3.connect(journal)
+    with raw:  # the crash: turn 1 finished (pending), its session not yet saved
+        raw.execute("DELETE FROM sessions WHERE id = 'tools-1'")
+        raw.execute("UPDATE requests SET session_pending = 1 WHERE id = ?", (r1["id"],))
+    raw.close()
+    d = start(root)
+    try:
+        assert _journal_row(root, row) == saved  # put back whole: history, tools and calls
+        status, r2 = d.json("POST", "/v1/chat/completions", {
+            **ask, "messages": [{"role": "tool", "tool_call_id": call["id"],
+                                 "content": "18 degrees"}], "tool_choice": "none",
+            "max_tokens": 4})
+        assert status == 200, r2
+        from edge_agent.journal.store import unpack_ids
+
+        p2 = unpack_ids(_journal_row(root, "SELECT prompt_ids FROM requests WHERE id = ?",
+                                     (r2["id"],))[0])
+        status, turn = d.json("POST", "/detokenize", {"tokens": p2[len(unpack_ids(saved[0])):]})
+        assert status == 200, turn
+        assert f"Result of get_weather (call {call['id']}): 18 degrees" in turn["content"]
+    finally:
+        kill(d)
 
 
 def test_warm_start_takes_the_tokenizer_from_the_journal(root: Path,

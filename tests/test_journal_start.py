@@ -213,8 +213,10 @@ def test_migration_2_marks_the_turns_the_old_start_put_back(tmp_path: Path) -> N
                 (rid, session, state, fin))
     store.close()
     store = JournalStore(open_journal(path))
-    assert store.journal.schema_version == MIGRATIONS.latest == 3
+    assert store.journal.schema_version == MIGRATIONS.latest == 4
     assert store.pending_turns() == ["t-behind", "t-nosession-row"]
+    saved = store.get_session("saved")  # migration 4: a session from before keeps no tools
+    assert saved is not None and (saved.tools, saved.calls) == (None, {})
     names = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master WHERE type = "
                                               "'index'")}
     assert "requests_session_pending" in names

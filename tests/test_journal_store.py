@@ -133,6 +133,12 @@ def test_sessions(store: JournalStore) -> None:
     s = store.get_session("s")
     assert s is not None
     assert (s.history, s.turns, s.created_at, s.updated_at) == ([1, 2, 3, 4, 5], 2, 10.0, 20.0)
+    assert (s.tools, s.calls) == (None, {})
+    store.save_session("s", "smollm2", [1, 2, 3, 4, 5, 6], now=30.0, tools='[{"name": "f"}]',
+                       calls={"call_1_0": "f", "call_2_0": "f"})
+    s = store.get_session("s")
+    assert s is not None and (s.turns, s.tools, s.calls) == (
+        3, '[{"name": "f"}]', {"call_1_0": "f", "call_2_0": "f"})
     assert store.delete_session("s") and not store.delete_session("s")
 
 

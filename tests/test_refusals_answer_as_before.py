@@ -196,14 +196,15 @@ def raised(fn: Callable[[], object]) -> ServiceError:
 
 
 class FakeStore:
-    """The journal's sessions table, (model, history) by id; deleting one fails."""
+    """The journal's sessions table, (model, history) by id (no tools); deleting one fails."""
 
     def __init__(self, stored: Mapping[str, tuple[str, list[int]]]) -> None:
         self.stored = dict(stored)
 
     def get_session(self, sid: str) -> SimpleNamespace | None:
         found = self.stored.get(sid)
-        return None if found is None else SimpleNamespace(model=found[0], history=found[1])
+        return None if found is None else SimpleNamespace(model=found[0], history=found[1],
+                                                          tools=None, calls={})
 
     def delete_session(self, sid: str) -> bool:
         raise JournalError("disk I/O error")

@@ -8,6 +8,10 @@ Invariants owned here:
   ids, its generated tokens and, for chat, the template's turn end (`<|im_end|>` + newline for
   ChatML, `<end_of_turn>` + newline for Gemma). Turn N+1's prompt is history + the ids of the
   new messages only (no second BOS or default system prompt).
+- Tools: the first turn's prompt lists its tools as a request without a session would
+  (daemon/structured.py), so every later turn must send the same `tools` (`InvalidRequest`
+  naming the field otherwise); the session keeps them and the function name behind each call
+  id its turns made, so a later turn's tool result names the function it answers.
 - At most one request per session is open at a time (another is refused with `SessionBusy`,
   HTTP 409 `session_busy`), so the history only grows by whole finished turns; a turn that
   fails or is cancelled leaves the history as it was.
@@ -23,12 +27,15 @@ Invariants owned here:
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from edge_agent.daemon import structured
 from edge_agent.errors import (
+    InvalidRequest,
     JournalFailed,
     SessionBusy,
     SessionModelMismatch,
@@ -46,15 +53,16 @@ __all__ = ["Sessions", "continuation_ids"]
 log = logging.getLogger(__name__)
 
 
-def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+def continuation_ids(tok: Any, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
     """The chat-template ids of `messages` as a later turn of a conversation: what the template
     appends after an earlier exchange (no second BOS or default system prompt), the generation
-    prompt at the end. Works for any template that renders a longer conversation as an
-    extension of a shorter one (ChatML, Gemma, Llama 3, Phi-3, ...); SessionNotContinuable
-    for one that does not."""
+    prompt at the end; `extra`: the template's keyword arguments (`tools`), the same for both
+    renders. Works for any template that renders a longer conversation as an extension of a
+    shorter one (ChatML, Gemma, Llama 3, Phi-3, ...); SessionNotContinuable for one that does
+    not."""
     earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    skip = list(tok.apply_chat_template(earlier, add_generation_prompt=False))
-    full = list(tok.apply_chat_template(earlier + messages))
+    skip = list(tok.apply_chat_template(earlier, add_generation_prompt=False, **extra))
+    full = list(tok.apply_chat_template(earlier + messages, **extra))
     if full[: len(skip)] != skip:
         raise SessionNotContinuable("field 'session': this model's chat template does not "
                                     "render a later turn as an extension of the conversation, "
@@ -62,6 +70,22 @@ def continuation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
                                     "send the whole conversation in `messages` without "
                                     "`session`.")
     return full[len(skip):]
+
+
+class _Kept(NamedTuple):
+    """What a session keeps: its model, token history, tools (`structured.tools_key` of its
+    first turn) and {call id: function name} of the calls its turns made."""
+
+    model: str
+    history: list[int]
+    tools: str | None
+    calls: dict[str, str]
+
+
+def _listed(tools: str | None) -> str:
+    if tools is None:
+        return "no tools"
+    return "the tools " + ", ".join(str(f.get("name")) for f in json.loads(tools))
 
 
 class SessionJournal(Protocol):
@@ -91,23 +115,23 @@ class Sessions:
         self.journal = journal
         self.models = models
         self.busy: dict[str, str] = {}  # session -> id of its open request
-        self._memory: dict[str, tuple[str, list[int]]] = {}  # when the journal is off
+        self._memory: dict[str, _Kept] = {}  # when the journal is off
 
-    def history(self, sid: str, model: str) -> list[int]:
+    def _kept(self, sid: str, model: str) -> _Kept:
         store = self.journal.store
         if store is not None:
             s = store.get_session(sid)
-            found = None if s is None else (s.model, s.history)
+            found = None if s is None else _Kept(s.model, s.history, s.tools, s.calls)
         else:
             found = self._memory.get(sid)
         if found is None:
-            return []
-        if found[0] != model:
+            return _Kept(model, [], None, {})
+        if found.model != model:
             raise SessionModelMismatch(f"field 'session': session {sid!r} is a conversation "
-                                       f"with model {found[0]!r}, this request is for "
+                                       f"with model {found.model!r}, this request is for "
                                        f"{model!r}. Hint: use that model, or a new session id.",
-                                       session=sid, session_model=found[0], model=model)
-        return list(found[1])
+                                       session=sid, session_model=found.model, model=model)
+        return found
 
     def prompt_ids(self, req: GenerationRequest, model: str, tok: Any) -> list[int]:
         """History + the new turn's ids (the whole prompt when there is no history yet)."""
@@ -118,14 +142,23 @@ class Sessions:
             raise SessionBusy(f"field 'session': session {sid!r} has request {rid} still "
                               f"open. Hint: wait for it (GET /v1/requests/{rid}) before the "
                               "next turn.", session=sid, request_id=rid)
-        hist = self.history(sid, model)
-        if req.chat:
-            assert req.messages is not None
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages]
-            new = continuation_ids(tok, msgs) if hist else list(tok.apply_chat_template(msgs))
-        else:
-            new = list(tok.encode(req.prompt or ""))
-        return hist + new
+        kept = self._kept(sid, model)
+        hist = list(kept.history)
+        if not req.chat:
+            return hist + list(tok.encode(req.prompt or ""))
+        if not hist:
+            return structured.chat_prompt(req, tok)
+        tools = structured.tools_key(req)
+        if tools != kept.tools:
+            first, now = _listed(kept.tools), _listed(tools)
+            raise InvalidRequest(f"field 'tools': session {sid!r} began with {first}; this "
+                                 f"turn has {now}{' defined otherwise' if first == now else ''}"
+                                 ". The history lists the first turn's tools to the model, so "
+                                 "every turn of a session sends the same ones. Hint: send the "
+                                 "first turn's tools again (tool_choice may change), or start a "
+                                 f"new session id (DELETE /v1/sessions/{sid} forgets this one).")
+        msgs, extra = structured.template_messages(req, tok, names=kept.calls, listing=False)
+        return hist + continuation_ids(tok, msgs, **extra)
 
     def reset(self, sid: str) -> dict[str, Any]:
         """Forget a session's history (DELETE /v1/sessions/{id}): the way out of a session
@@ -149,7 +182,7 @@ class Sessions:
                                         retry_after_s=5) from exc
         else:
             mem = self._memory.pop(sid, None)
-            found = None if mem is None else (mem[0], len(mem[1]))
+            found = None if mem is None else (mem.model, len(mem.history))
         if found is None:
             raise SessionNotFound(f"no session {sid!r} (never used, already reset, or "
                                   "forgotten after journal.session_max_age_s). Hint: a new "
@@ -172,14 +205,19 @@ class Sessions:
         if not done:
             return
         history = list(rec.job.prompt_ids) + list(rec.tokens)
-        if rec.request.chat:
+        req = rec.request
+        tools, calls = None, {}
+        if req.chat:
             history += self._turn_end(rec.model)
+            before = self._kept_quietly(sid, rec.model)
+            tools = structured.tools_key(req)
+            calls = {**before.calls, **structured.call_names(req, rec.text, rec.id)}
         store = self.journal.store
         if store is None:
-            self._memory[sid] = (rec.model, history)
+            self._memory[sid] = _Kept(rec.model, history, tools, calls)
             return
         try:
-            store.save_session(sid, rec.model, history, turn=rec.id)
+            store.save_session(sid, rec.model, history, turn=rec.id, tools=tools, calls=calls)
         except JournalError as exc:
             log.warning(f"journal: session {sid}: could not save turn {rec.id}: {exc}")
             return
@@ -187,6 +225,15 @@ class Sessions:
         if svc is not None and svc.engine == "llamacpp":  # its prompt cache survives a restart
             svc.to_snapshot[sid] = history
             svc.poke()
+
+    def _kept_quietly(self, sid: str, model: str) -> _Kept:
+        """What is kept of `sid` before the turn that just ended (nothing when it cannot be
+        read: the turn's own names are then the only ones kept)."""
+        try:
+            return self._kept(sid, model)
+        except (SessionModelMismatch, JournalError, sqlite3.Error) as exc:
+            log.warning(f"journal: session {sid}: could not read its earlier calls: {exc}")
+            return _Kept(model, [], None, {})
 
     def _turn_end(self, model: str) -> list[int]:
         return list(self.models[model].ensure_tokenizer().turn_end_ids())

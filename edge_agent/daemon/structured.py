@@ -28,14 +28,15 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
-__all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "chat_prompt", "grammar_for",
-           "may_call_tools", "parse_tool_calls", "reply_content", "tool_calls"]
+__all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "call_names", "chat_prompt",
+           "grammar_for", "may_call_tools", "parse_tool_calls", "reply_content",
+           "template_messages", "tool_calls", "tools_key"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -127,9 +128,21 @@ def _call_text(call: dict[str, Any]) -> str:
 
 def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
     """The prompt ids of a chat request, tools and tool messages included."""
+    msgs, extra = template_messages(req, tok)
+    return list(tok.apply_chat_template(msgs, **extra))
+
+
+def template_messages(req: GenerationRequest, tok: Any, *,
+                      names: Mapping[str, str] | None = None, listing: bool = True
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, keyword arguments) to render `req`'s chat with the model's template, tools and
+    tool messages included. `names`: call id -> function of calls made before these messages
+    (a session's earlier turns; the messages' own calls are added); `listing`: a template that
+    does not render tools gets the TOOLS_PROMPT system message (a session's later turns have
+    it in their history already)."""
     assert req.messages is not None
     functions = _offered(req)
-    native, tags = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
+    native, _ = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
     if native:
         msgs = []
         for m in req.messages:
@@ -141,12 +154,13 @@ def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
                 d["tool_call_id"] = m.tool_call_id
             msgs.append(d)
         tools = [{"type": "function", "function": f} for f in functions] or None
-        return list(tok.apply_chat_template(msgs, tools=tools))
-    names = {c["id"]: c["function"]["name"] for m in req.messages for c in m.tool_calls or ()}
+        return msgs, {"tools": tools}
+    called = {**(names or {}), **{c["id"]: c["function"]["name"] for m in req.messages
+                                  for c in m.tool_calls or ()}}
     msgs = []
     for m in req.messages:
         if m.role == "tool":
-            who = names.get(m.tool_call_id or "", "the function")
+            who = called.get(m.tool_call_id or "", "the function")
             call = f" (call {m.tool_call_id})" if m.tool_call_id else ""  # None: answers no call
             msgs.append({"role": "user", "content": f"Result of {who}{call}: {m.content}"})
         elif m.tool_calls:
@@ -155,17 +169,30 @@ def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
                          else text})
         else:
             msgs.append({"role": m.role, "content": m.content})
-    if functions:
+    if functions and listing:
         choice = req.tool_choice
         rule = (_RULE["named"].format(name=choice["function"]["name"])
                 if isinstance(choice, dict) else _RULE[str(choice)])
-        listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
-        text = TOOLS_PROMPT.format(listing=listing, rule=rule)
+        listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+        text = TOOLS_PROMPT.format(listing=listed, rule=rule)
         if msgs and msgs[0]["role"] == "system":
             msgs[0] = {"role": "system", "content": f"{msgs[0]['content']}\n\n{text}"}
         else:
             msgs.insert(0, {"role": "system", "content": text})
-    return list(tok.apply_chat_template(msgs))
+    return msgs, {}
+
+
+def tools_key(req: GenerationRequest) -> str | None:
+    """The functions of `req.tools` as canonical JSON (None: no tools): what a session's turns
+    must agree on."""
+    if not req.tools:
+        return None
+    return json.dumps([t["function"] for t in req.tools], sort_keys=True, ensure_ascii=False)
+
+
+def call_names(req: GenerationRequest, text: str, rid: str) -> dict[str, str]:
+    """{call id: function name} of the calls the reply `text` of request `rid` makes."""
+    return {c["id"]: c["function"]["name"] for c in tool_calls(req, text, rid) or ()}
 
 
 def _has_tool_turns(req: GenerationRequest) -> bool:

@@ -27,6 +27,10 @@ Invariants this module owns:
   session, the llama.cpp KV state of its last turn's slot (`data`, an engine blob that names
   the model and context it fits), the `n_tokens` ids it holds (`tokens`, little-endian
   int32), the engine's `identity` and the blob's `bytes`; newest first by `created_at`.
+- Migration 4 (sessions that offer tools): `sessions.tools` is the JSON of the functions its
+  first turn was sent (NULL: none), which the history lists to the model; `sessions.calls`
+  the JSON object {call id: function name} of the tool calls its turns made, so a later
+  turn's tool result names the function its `tool_call_id` called (NULL: none yet).
 - `schema_problems(conn, version)`: a file at user_version N holds exactly the tables, columns
   and indexes migrations 1..N create (SQLite's own `sqlite_*` objects aside); anything else
   (a table or column missing or unknown, a user_version that does not match the tables) is
@@ -244,3 +248,9 @@ def kv_snapshots(db: sqlite_utils.Database) -> None:
         defaults={"n_tokens": 0, "bytes": 0},
     )
     db.table("kv_snapshots").create_index(["created_at"], index_name="kv_snapshots_created")
+
+
+@MIGRATIONS(4)
+def session_tools(db: sqlite_utils.Database) -> None:
+    db.execute("ALTER TABLE sessions ADD COLUMN tools TEXT")
+    db.execute("ALTER TABLE sessions ADD COLUMN calls TEXT")

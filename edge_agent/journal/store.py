@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from edge_agent.journal.db import Journal
@@ -95,6 +95,8 @@ class Session:
     turns: int
     created_at: float
     updated_at: float
+    tools: str | None = None  # JSON of the functions its first turn was sent (None: none)
+    calls: dict[str, str] = field(default_factory=dict)  # call id -> function
 
 
 _REQ_COLS = ("id, session, model, input, prompt_ids, params, priority, deadline, state, "
@@ -323,26 +325,33 @@ class JournalStore(Retention):
     # -- sessions -------------------------------------------------------------------------
 
     def save_session(self, session_id: str, model: str, history: Sequence[int], *,
-                     turn: str | None = None, now: float | None = None) -> None:
-        """Replace the session's token history (the whole conversation so far); `turn`, the
-        done request this history ends with, is no longer pending (same transaction)."""
+                     turn: str | None = None, now: float | None = None,
+                     tools: str | None = None, calls: Mapping[str, str] | None = None) -> None:
+        """Replace the session's token history (the whole conversation so far), its tools
+        (JSON, None: none) and the names of the calls its turns made; `turn`, the done request
+        this history ends with, is no longer pending (same transaction)."""
         now = self._clock() if now is None else now
+        named = json.dumps(dict(calls), ensure_ascii=False) if calls else None
         with self.journal.transaction() as conn:
             if turn is not None:
                 conn.execute("UPDATE requests SET session_pending = 0 WHERE id = ?", (turn,))
             conn.execute(
                 "INSERT INTO sessions (id, model, history, n_tokens, turns, created_at, "
-                "updated_at) VALUES (?, ?, ?, ?, 1, ?, ?) ON CONFLICT(id) DO UPDATE SET "
-                "model = excluded.model, history = excluded.history, n_tokens = "
-                "excluded.n_tokens, turns = turns + 1, updated_at = excluded.updated_at",
-                (session_id, model, pack_ids(list(history)), len(history), now, now))
+                "updated_at, tools, calls) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?) ON CONFLICT(id) "
+                "DO UPDATE SET model = excluded.model, history = excluded.history, n_tokens = "
+                "excluded.n_tokens, turns = turns + 1, updated_at = excluded.updated_at, "
+                "tools = excluded.tools, calls = excluded.calls",
+                (session_id, model, pack_ids(list(history)), len(history), now, now, tools,
+                 named))
 
     def get_session(self, session_id: str) -> Session | None:
-        row = self.conn.execute("SELECT id, model, history, turns, created_at, updated_at FROM "
-                                "sessions WHERE id = ?", (session_id,)).fetchone()
+        row = self.conn.execute("SELECT id, model, history, turns, created_at, updated_at, "
+                                "tools, calls FROM sessions WHERE id = ?",
+                                (session_id,)).fetchone()
         if row is None:
             return None
-        return Session(row[0], row[1], unpack_ids(row[2]), row[3], row[4], row[5])
+        return Session(row[0], row[1], unpack_ids(row[2]), row[3], row[4], row[5], row[6],
+                       json.loads(row[7]) if row[7] else {})
 
     def delete_session(self, session_id: str) -> bool:
         with self.journal.transaction() as conn:

@@ -958,11 +958,6 @@ def parse_generation(
                              or seed >= 2**63):
         raise _bad("seed", f"expected a non-negative integer, got {_show(seed)}",
                    "use an integer 0..2**63-1")
-    if tools is not None and tool_choice != "none":
-        if d.get("session") is not None:
-            raise _bad("session", "a session cannot offer tools (its history keeps text "
-                       "turns only)", "send the whole conversation in messages without "
-                       '"session" when using tools')
     return GenerationRequest(
         chat=chat,
         model=model,
