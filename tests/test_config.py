@@ -208,6 +208,19 @@ def test_model_errors(tmp_path: Path) -> None:
              check_paths=True)
     with pytest.raises(ConfigError, match=r"default_model = 'ghost' .*configured: smollm2"):
         load(path=write(tmp_path / "c.toml", "default_model = 'ghost'\n"))
+    with pytest.raises(ConfigError, match=r"models\.smollm2\.chat_template_file = '.*nope\.jinja' "
+                       r"\(from .*d\.toml\): no such file.*Hint: .*point it at a Jinja chat "
+                       r"template file, or remove the key"):
+        load(path=write(tmp_path / "d.toml", "[models.smollm2]\nchat_template_file = "
+                        f"'{tmp_path / 'nope.jinja'}'\n"), check_paths=True)
+    with pytest.raises(ConfigError, match=r"chat_template_file = '.*' .*a directory"):
+        load(path=write(tmp_path / "e.toml", "[models.smollm2]\nchat_template_file = "
+                        f"'{tmp_path}'\n"), check_paths=True)
+    t = write(tmp_path / "t.jinja", "{{ messages }}")
+    c = load(path=write(tmp_path / "f.toml", f"[models.smollm2]\nchat_template_file = '{t}'\n"),
+             check_paths=True)
+    assert c.model().chat_template_file == t and c.to_dict()["models"]["smollm2"][
+        "chat_template_file"] == str(t)
 
 
 # ----- board profile layer ---------------------------------------------------------------------

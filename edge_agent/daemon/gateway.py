@@ -52,6 +52,9 @@ class ServedModel(Protocol):
     @property
     def ttl_s(self) -> float | None: ...
 
+    @property
+    def chat_template_file(self) -> Path | None: ...  # models.NAME.chat_template_file
+
     def path(self) -> Path: ...
 
     def ensure_tokenizer(self) -> Any: ...

@@ -238,9 +238,18 @@ class OllamaRoutes:
     async def show(self, req: Request) -> Reply:
         svc = self._service(parse_show(req.body))
         card = await self._card(svc)
+        template = None  # the GGUF's own, unless models.NAME.chat_template_file replaces it
+        if svc.chat_template_file is not None:
+            try:
+                tok = await asyncio.to_thread(svc.ensure_tokenizer)
+            except (EdgeAgentError, OSError) as exc:
+                raise ApiError(503, "model_failed", f"model {svc.name!r} cannot be used: "
+                               f"{exc}") from exc
+            template = tok.chat_template.template
         return _json(200, show_body(meta=card.meta, parameters=card.parameters,
                                     dominant=card.dominant, path=str(svc.path()),
-                                    context=svc.context, modified=card.mtime))
+                                    context=svc.context, modified=card.mtime,
+                                    template=template))
 
     # -- generation ----------------------------------------------------------------------------
     async def chat(self, req: Request) -> Reply:

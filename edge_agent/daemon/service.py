@@ -76,7 +76,7 @@ from edge_agent.daemon.outcome import EndCode, Outcome
 from edge_agent.daemon.prestart import runner_env
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.daemon.supervisor import RunnerHandle
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.journal import JournalError, JournalStore
 from edge_agent.scheduler import (
     RUNNER_BASE_BYTES,
@@ -290,6 +290,11 @@ class ModelService:
     def path(self) -> Path:
         return Path(self.entry.resolve_path())
 
+    @property
+    def chat_template_file(self) -> Path | None:
+        path: Path | None = self.entry.chat_template_file
+        return path
+
     def ensure_tokenizer(self) -> Any:
         """Tokenizer and memory budget from the GGUF metadata (read once, no weights). Safe
         from a worker thread (`_load` overlaps it with the runner's start); a second caller
@@ -304,7 +309,19 @@ class ModelService:
                     self.tokenizer_from = "gguf"
                     tok = open_tokenizer("llamacpp", self.path(), checked=(
                         self.facts.stamp if self.facts is not None else ""))
+                    if self.chat_template_file is not None:
+                        try:
+                            tok.use_template_file(self.chat_template_file)
+                        except BaseException:
+                            tok.close()
+                            raise
                 else:
+                    if self.chat_template_file is not None:
+                        raise ModelFileError(
+                            f"models.{self.name}.chat_template_file: the numpy engine renders "
+                            "ChatML itself and takes no template file. Hint: serve this "
+                            'model on the llama.cpp engine (runtime.engine = "llamacpp"), or '
+                            "remove the key.")
                     tok = self._numpy_tokenizer()
                 self.tokenizer_s = time.perf_counter() - t0
                 self.stop_ids = frozenset(getattr(tok, "eog_ids", None) or {tok.eos_id})

@@ -656,8 +656,11 @@ def model_info(meta: Mapping[str, Any], parameters: int) -> dict[str, Any]:
 
 
 def show_body(*, meta: Mapping[str, Any], parameters: int, dominant: str | None,
-              path: str, context: int, modified: float) -> dict[str, Any]:
-    template = meta.get("tokenizer.chat_template")
+              path: str, context: int, modified: float,
+              template: str | None = None) -> dict[str, Any]:
+    """`template`: the chat template in use when it is not the GGUF's own."""
+    if template is None:
+        template = meta.get("tokenizer.chat_template")
     return {
         "modelfile": f"FROM {path}\nPARAMETER num_ctx {context}\n",
         "parameters": f"num_ctx {context}",

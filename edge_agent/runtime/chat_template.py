@@ -656,7 +656,8 @@ class GGUFChatTemplate:
                 f"{source}: the GGUF has no {TEMPLATE_KEY}, so edge-agent does not know the "
                 "chat format the model was trained on (no default format is assumed). Hint: "
                 "send a plain prompt instead of messages, use an instruction-tuned model file "
-                "that carries its template, or add the model's template to the file with "
+                "that carries its template, point models.NAME.chat_template_file at the "
+                "model's template (llama.cpp engine), or add it to the file with "
                 "gguf-new-metadata --chat-template-file chat_template.jinja IN.gguf OUT.gguf."
             )
         tool_use = metadata.get(f"{TEMPLATE_KEY}.tool_use")

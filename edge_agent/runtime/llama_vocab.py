@@ -230,6 +230,7 @@ class LlamaVocab:
         self.meta = model_meta(model)
         self._template: Any = None
         self._template_error: EdgeAgentError | None = None
+        self._template_source = source  # what template errors name: the GGUF, or the file
         self._turn_end: list[int] | None = None
 
     @classmethod
@@ -349,11 +350,32 @@ class LlamaVocab:
             from edge_agent.runtime.chat_template import GGUFChatTemplate
 
             try:
-                self._template = GGUFChatTemplate.from_metadata(self._template_meta(),
-                                                                source=self.source)
+                self._template = GGUFChatTemplate.from_metadata(
+                    self._template_meta(), source=self._template_source)
             except EdgeAgentError as exc:
                 self._template_error = exc
         return self._template
+
+    def use_template_file(self, path: Path) -> None:
+        """Render chats with the Jinja template in `path` instead of the GGUF's own
+        (`models.NAME.chat_template_file`); ModelFileError naming the file when it cannot be
+        read or compiled, so the model does not load with a template it cannot render."""
+        from edge_agent.runtime.chat_template import TEMPLATE_KEY
+
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelFileError(f"{path}: cannot read this chat template file ({exc}). Hint: "
+                                 "point models.NAME.chat_template_file at a readable UTF-8 "
+                                 "Jinja file.") from exc
+        meta = {k: v for k, v in self.meta.items() if not k.startswith(TEMPLATE_KEY)}
+        meta[TEMPLATE_KEY] = text
+        self.meta = meta
+        self._template, self._template_error, self._turn_end = None, None, None
+        self._template_source = str(path)
+        if self.chat_template is None:
+            assert self._template_error is not None
+            raise ModelFileError(str(self._template_error))
 
     def _template_meta(self) -> Mapping[str, Any]:
         meta: dict[str, Any] = dict(self.meta)
