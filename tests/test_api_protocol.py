@@ -25,6 +25,7 @@ from edge_agent.protocol.api import (
     UNSUPPORTED_FIELDS,
     UNTIL_CONTEXT,
     ApiError,
+    GenerationRequest,
     completion_chunk,
     completion_response,
     error_body,
@@ -577,3 +578,30 @@ def test_sampling_controls_parse_into_the_request() -> None:
         assert err.param == param and "Hint:" in err.message, (body, err.message)
     err = bad({"messages": CHAT_MSGS, "top_logprobs": 3}, chat=True)
     assert err.param == "top_logprobs" and "logprobs" in err.message
+
+
+def test_reasoning_format_and_template_variables_are_checked() -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+
+    def parse(**body: Any) -> GenerationRequest:
+        return parse_generation({"messages": msgs, **body}, chat=True, max_tokens_limit=9)
+
+    assert parse().reasoning_format == "auto" and parse().template_vars is None
+    assert parse(reasoning_format="deepseek").reasoning_format == "auto"
+    assert parse(reasoning_format="none").reasoning_format == "none"
+    assert parse(chat_template_kwargs={"enable_thinking": False}).template_vars == {
+        "enable_thinking": False}
+    for body, param in (({"reasoning_format": "raw"}, "reasoning_format"),
+                        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": {"messages": []}},
+                         "chat_template_kwargs.messages"),
+                        ({"chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs.a b"),
+                        ({"chat_template_kwargs": {f"v{i}": i for i in range(17)}},
+                         "chat_template_kwargs")):
+        with pytest.raises(ApiError) as info:
+            parse(**body)
+        assert info.value.param == param and "Hint:" in info.value.message, info.value
+    with pytest.raises(ApiError) as info:  # chat only
+        parse_generation({"prompt": "x", "reasoning_format": "none"}, chat=False,
+                         max_tokens_limit=9)
+    assert info.value.code == "unknown_parameter"

@@ -1,4 +1,5 @@
-"""`models.NAME.chat_template_file`: a Jinja chat template rendered instead of the GGUF's own.
+"""`models.NAME.chat_template_file`: a Jinja chat template rendered instead of the GGUF's own,
+and a thinking model's reasoning kept apart from its answer.
 
 The real SmolLM2 GGUF served twice by one daemon on the llama.cpp engine: as itself, and under
 Qwen2.5's template (tests/data/templates, a ChatML template that renders tools natively, whose
@@ -6,7 +7,11 @@ markers are SmolLM2's own special tokens). The second one's prompts are that tem
 rendering token for token, `/api/show` shows it, a required tool call takes the native
 `<tool_call>` form and a session's tool result is rendered as that template renders it. A
 template file that does not compile fails its model's load naming the file while the others
-serve; the numpy engine refuses the key naming it.
+serve; the numpy engine refuses the key naming it. Under a thinking template
+(tests/data/templates/thinking-fewshot.jinja: worked examples, the thought opened by the
+generation prompt) SmolLM2 writes a thought, `</think>` and an answer: OpenAI's
+`reasoning_content` and Ollama's `thinking` hold the thought, streamed or not, and
+`reasoning_format: "none"` or a model that does not think leave the text as it was written.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from edge_agent.runtime.chat_template import GGUFChatTemplate
 pytestmark = [pytest.mark.timeout(600)]
 
 QWEN = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+THINKING = QWEN.parent / "thinking-fewshot.jinja"
+SUM = [{"role": "user", "content": "What is 5+5?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
@@ -54,7 +61,7 @@ def daemon(prepared_state_dir: Path, model_path: Path) -> Iterator[Daemon]:
     broken = root / "broken.jinja"
     broken.write_text("{% for message in messages %}{{ message.content }")
     cfg = _config(root, prepared_state_dir, model_path, "llamacpp",
-                  {"qwenstyle": QWEN, "broken": broken})
+                  {"qwenstyle": QWEN, "broken": broken, "thinker": THINKING})
     with launch(Daemon, root, serve_argv(cfg)) as d:
         d.broken = broken  # type: ignore[attr-defined]
         d.journal = prepared_state_dir / "journal.sqlite3"  # type: ignore[attr-defined]
@@ -145,3 +152,84 @@ def test_the_numpy_engine_refuses_the_key(prepared_state_dir: Path, model_path: 
         assert "models.qwenstyle.chat_template_file: the numpy engine renders ChatML itself" \
             in message and 'runtime.engine = "llamacpp"' in message, message
         assert _chat(d, "smollm2")["choices"][0]["finish_reason"] == "length"
+
+
+def _sse(d: Daemon, body: dict[str, Any]) -> list[dict[str, Any]]:
+    status, _, data = d.call("POST", "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200, data
+    events = [line[len(b"data: "):] for line in data.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_thinking_models_reasoning_is_kept_apart_from_its_answer(daemon: Daemon) -> None:
+    ask = {"model": "thinker", "messages": SUM, "temperature": 0, "max_tokens": 40}
+    status, raw = daemon.json("POST", "/v1/chat/completions", {**ask,
+                                                               "reasoning_format": "none"})
+    assert status == 200, raw
+    text = raw["choices"][0]["message"]["content"]
+    assert "reasoning_content" not in raw["choices"][0]["message"]
+    assert "</think>" in text, text  # the model closed its thought, as the examples do
+    before, after = text.split("</think>", 1)
+    status, r = daemon.json("POST", "/v1/chat/completions", ask)
+    assert status == 200, r
+    msg = r["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == (before.strip(), after.lstrip()), msg
+    assert msg["reasoning_content"] and msg["content"]
+    assert [r["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == [
+        raw["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
+
+    events = _sse(daemon, {**ask, "logprobs": True})
+    deltas = [e["choices"][0]["delta"] for e in events]
+    entries = [x for e in events for x in (e["choices"][0].get("logprobs") or {}).get(
+        "content") or ()]
+    assert len(entries) == raw["usage"]["completion_tokens"]  # each token's, once, in order
+    said = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    answered = [d["content"] for d in deltas if "content" in d]
+    assert "".join(said) == msg["reasoning_content"] and "".join(answered) == msg["content"]
+    assert len(said) > 1, said  # the thought streamed as it came
+    last_thought = max(i for i, d in enumerate(deltas) if "reasoning_content" in d)
+    assert all("content" not in d for d in deltas[:last_thought + 1])
+
+    # a model whose template does not think keeps its text, whatever it writes
+    status, own = daemon.json("POST", "/v1/chat/completions", {**ask, "model": "smollm2"})
+    assert status == 200 and "reasoning_content" not in own["choices"][0]["message"], own
+
+
+def test_ollama_think_shows_hides_or_turns_off_the_thought(daemon: Daemon) -> None:
+    status, r = daemon.json("POST", "/v1/chat/completions", {
+        "model": "thinker", "messages": SUM, "temperature": 0, "max_tokens": 40})
+    assert status == 200, r
+    want = r["choices"][0]["message"]
+    ask = {"model": "thinker", "messages": SUM, "stream": False,
+           "options": {"temperature": 0, "num_predict": 40}}
+    for think in (None, True):
+        status, o = daemon.json("POST", "/api/chat", {**ask, **(
+            {} if think is None else {"think": think})})
+        assert status == 200, o
+        assert (o["message"]["thinking"], o["message"]["content"]) == (
+            want["reasoning_content"], want["content"]), o
+    status, _, data = daemon.call("POST", "/api/chat", {**ask, "stream": True, "think": True})
+    assert status == 200, data
+    objs = [json.loads(line) for line in data.splitlines() if line.strip()]
+    assert "".join(o["message"].get("thinking", "") for o in objs) == want["reasoning_content"]
+    assert "".join(o["message"]["content"] for o in objs) == want["content"]
+    status, g = daemon.json("POST", "/api/generate", {
+        "model": "thinker", "prompt": SUM[0]["content"], "stream": False,
+        "options": {"temperature": 0, "num_predict": 40}})
+    assert status == 200 and g["thinking"] == want["reasoning_content"], g
+    assert g["response"] == want["content"]
+
+    # think: false closes the thought in the prompt (the template's enable_thinking)
+    status, off = daemon.json("POST", "/api/chat", {**ask, "think": False})
+    assert status == 200 and "thinking" not in off["message"], off
+    assert off["prompt_eval_count"] > want_prompt_tokens(r)
+    # think: true for a model that does not think is a 400 naming think
+    status, err = daemon.json("POST", "/api/chat", {**ask, "model": "smollm2", "think": True})
+    assert status == 400 and "field 'think': model 'smollm2' does not think" in err["error"], err
+    status, err = daemon.json("POST", "/api/chat", {**ask, "think": "high"})
+    assert status == 400 and "field 'think': expected true or false" in err["error"], err
+
+
+def want_prompt_tokens(reply: dict[str, Any]) -> int:
+    return int(reply["usage"]["prompt_tokens"])

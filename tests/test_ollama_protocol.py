@@ -80,7 +80,7 @@ def test_bad_options_name_the_option(options: dict[str, Any], param: str, words:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"format": "yaml"}, "format"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"think": True}, "think"), ({"frobnicate": 1}, "frobnicate"),
+    ({"think": "high"}, "think"), ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].images"),
     ({"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
     ({"stream": "yes"}, "stream"),

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_agent.daemon import structured
+from edge_agent.daemon import reasoning, structured
 from edge_agent.daemon.gateway import ModelHost, ServedModel
 from edge_agent.daemon.requests import RequestRecord
 from edge_agent.errors import EdgeAgentError, ServiceError
@@ -263,6 +263,8 @@ class OllamaRoutes:
         if oreq.generation is None:
             return await self._load_or_unload(svc, oreq)
         t0 = time.monotonic()
+        if oreq.think and oreq.generation.chat:
+            await self._check_thinks(svc)
         try:  # the schema in `format` is compiled at submission
             rec = await self.host.accept(dataclasses.replace(oreq.generation, model=svc.name))
         except (ApiError, ServiceError) as exc:  # named as Ollama's field (format)
@@ -278,17 +280,40 @@ class OllamaRoutes:
         end = rec.outcome
         if end is not None and end.code is not None:
             raise end_error(end.code, end.message)
-        calls = self._tool_calls(rec)
+        thought, answer = reasoning.reply_parts(rec.text, self._thought(rec, svc))
+        calls = self._tool_calls(rec, answer)
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                text=structured.reply_content(rec.text, bool(calls)),
+                                text=structured.reply_content(answer, bool(calls)),
                                 done_reason=rec.finish_reason or "stop",
-                                stats=self._stats(rec, svc, t0), tool_calls=calls))
+                                stats=self._stats(rec, svc, t0), tool_calls=calls,
+                                thinking=thought if oreq.think is not False else None))
 
     @staticmethod
-    def _tool_calls(rec: RequestRecord) -> list[dict[str, Any]] | None:
+    def _tool_calls(rec: RequestRecord, answer: str) -> list[dict[str, Any]] | None:
         """The reply's tool calls in Ollama's shape (None: it is text, or no tools offered)."""
-        calls = structured.tool_calls(rec.request, rec.text, rec.id)
+        calls = structured.tool_calls(rec.request, answer, rec.id)
         return None if calls is None else ollama_tool_calls(calls)
+
+    @staticmethod
+    def _thought(rec: RequestRecord, svc: ServedModel) -> bool | None:
+        """How `rec`'s reply is parsed for a thinking model's reasoning (reasoning.py)."""
+        if not rec.request.chat:
+            return None
+        return reasoning.thought_start(rec.request, svc.ensure_tokenizer(), rec.job.prompt_ids,
+                                       rec.job.params)
+
+    @staticmethod
+    async def _check_thinks(svc: ServedModel) -> None:
+        """`think: true` for a model that does not think is a 400 (as Ollama answers it)."""
+        try:
+            tok = await asyncio.to_thread(svc.ensure_tokenizer)
+        except (EdgeAgentError, OSError):
+            return  # the submission reports the model file's fault
+        if not reasoning.model_thinks(tok):
+            raise ApiError(400, "invalid_request", f"field 'think': model {svc.name!r} does "
+                           "not think (its chat template has no </think>). Hint: leave "
+                           '"think" out, or use a thinking model (DeepSeek-R1 distills, Qwen3).',
+                           param="think")
 
     async def _load_or_unload(self, svc: ServedModel, oreq: OllamaRequest) -> Reply:
         ka = oreq.keep_alive
@@ -306,26 +331,38 @@ class OllamaRoutes:
 
     async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ServedModel,
                       t0: float) -> AsyncIterator[bytes]:
-        # a reply that may call tools streams what can no longer be part of a call
-        gate = structured.CallGate() if structured.may_call_tools(rec.request) else None
+        # a thinking model's reasoning streams apart from its answer (`thinking`, left out
+        # with think: false); a reply that may call tools streams what can no longer be part
+        # of a call
+        thought, tools = self._thought(rec, svc), structured.may_call_tools(rec.request)
+        gate = reasoning.ReplyGate(thought, tools) if thought is not None or tools else None
+        shown = oreq.think is not False
         try:
             async for batch in rec.follow_batches(0):
-                pieces = [piece for _, piece in batch]
+                pieces = [("", piece) for _, piece in batch]
                 if gate is not None:
-                    pieces = ["".join([gate.feed(piece) for piece in pieces])]
+                    fed = [gate.feed(piece) for _, piece in pieces]
+                    pieces = [("".join(r for r, _ in fed) if shown else "",
+                               "".join(a for _, a in fed))]
                 out = [ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                    text=piece)) for piece in pieces if piece]
+                                    text=text, thinking=said))
+                       for said, text in pieces if said or text]
                 if out:
                     yield b"".join(out)
             end = rec.outcome
             if end is not None and end.code is not None:
                 yield ndjson({"error": end.message})
             else:
-                calls = self._tool_calls(rec) if gate is not None else None
-                text = gate.rest(bool(calls)) if gate is not None else ""
-                if calls or text:
+                calls = None
+                said = text = ""
+                if gate is not None:
+                    answer = reasoning.reply_parts(rec.text, thought)[1]
+                    calls = self._tool_calls(rec, answer)
+                    said, text = gate.rest(bool(calls))
+                    said = said if shown else ""
+                if calls or text or said:
                     yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                       text=text, tool_calls=calls))
+                                       text=text, tool_calls=calls, thinking=said))
                 yield ndjson(final(chat=oreq.chat, model=oreq.model, now=time.time(), text="",
                                    done_reason=rec.finish_reason or "stop",
                                    stats=self._stats(rec, svc, t0)))

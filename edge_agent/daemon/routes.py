@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypedDict
 
-from edge_agent.daemon import structured
+from edge_agent.daemon import reasoning, structured
 from edge_agent.daemon.gateway import Gateway, ServedModel
 from edge_agent.daemon.ollama import OllamaRoutes
 from edge_agent.daemon.requests import RequestRecord
@@ -214,15 +214,23 @@ class Router:
         if end is not None and end.code is not None:
             err = end_error(end.code, end.message, {"id": rec.id, **end.extra()})
             return Response(err.status, err.body())
-        calls = structured.tool_calls(rec.request, rec.text, rec.id)
+        thought, answer = reasoning.reply_parts(rec.text, self._thought(rec))
+        calls = structured.tool_calls(rec.request, answer, rec.id)
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
-            text=structured.reply_content(rec.text, bool(calls)),
+            text=structured.reply_content(answer, bool(calls)),
             finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
             completion_tokens=len(rec.tokens), tool_calls=calls,
             logprobs=self._logprobs(rec, 0, rec.logprobs_released),
-            cached_tokens=rec.cached_tokens)
+            cached_tokens=rec.cached_tokens, reasoning=thought)
         return _json(200, body)
+
+    def _thought(self, rec: RequestRecord) -> bool | None:
+        """How `rec`'s reply is parsed for a thinking model's reasoning (reasoning.py)."""
+        if not rec.request.chat:
+            return None
+        tok = self.host.services[rec.model].ensure_tokenizer()
+        return reasoning.thought_start(rec.request, tok, rec.job.prompt_ids, rec.job.params)
 
     def _logprobs(self, rec: RequestRecord, start: int, end: int) -> dict[str, Any] | None:
         """OpenAI's logprobs object for tokens [start, end) of `rec` (None: not asked)."""
@@ -236,8 +244,10 @@ class Router:
         usage = rec.request.include_usage
         common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
                              "chat": rec.request.chat}
-        # a reply that may call tools streams what can no longer be part of a call
-        gate = structured.CallGate() if structured.may_call_tools(rec.request) else None
+        # a thinking model's reasoning streams apart from its answer; a reply that may call
+        # tools streams what can no longer be part of a call
+        thought, tools = self._thought(rec), structured.may_call_tools(rec.request)
+        gate = reasoning.ReplyGate(thought, tools) if thought is not None or tools else None
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)
@@ -246,17 +256,20 @@ class Router:
             async for batch in rec.follow_batches(0):
                 out = []  # one write for the pieces of one runner message
                 if gate is not None:
-                    text = ""
+                    text = thinking = ""
                     for _, piece in batch:
-                        text += gate.feed(piece)
+                        said, answered = gate.feed(piece)
+                        thinking += said
+                        text += answered
                         ends.append(len(gate.text))
                     while whole < len(ends) and ends[whole] <= gate.sent:
                         whole += 1
                     upto = rec.piece_logprobs[whole - 1] if whole else 0
-                    if text or upto > sent:
+                    if text or thinking or upto > sent:
                         out.append(sse_event(completion_chunk(
-                            text=text, finish_reason=None, first=first, include_usage=usage,
-                            logprobs=self._logprobs(rec, sent, upto), **common)))
+                            text=text, reasoning=thinking, finish_reason=None, first=first,
+                            include_usage=usage, logprobs=self._logprobs(rec, sent, upto),
+                            **common)))
                         first, sent = False, upto
                 else:
                     for i, piece in batch:
@@ -277,13 +290,14 @@ class Router:
             else:
                 finish = rec.finish_reason
                 if gate is not None:
-                    calls = structured.tool_calls(rec.request, rec.text, rec.id)
+                    answer = reasoning.reply_parts(rec.text, thought)[1]
+                    calls = structured.tool_calls(rec.request, answer, rec.id)
                     finish = "tool_calls" if calls else finish
-                    text = gate.rest(bool(calls))
-                    if calls or text or first or rec.logprobs_released > sent:
+                    thinking, text = gate.rest(bool(calls))
+                    if calls or text or thinking or first or rec.logprobs_released > sent:
                         yield sse_event(completion_chunk(
-                            text=text, tool_calls=calls, finish_reason=None, first=first,
-                            include_usage=usage,
+                            text=text, reasoning=thinking, tool_calls=calls,
+                            finish_reason=None, first=first, include_usage=usage,
                             logprobs=self._logprobs(rec, sent, rec.logprobs_released), **common))
                         first, sent = False, rec.logprobs_released
                 yield sse_event(completion_chunk(

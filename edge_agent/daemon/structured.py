@@ -64,6 +64,13 @@ def _offered(req: GenerationRequest) -> list[dict[str, Any]]:
     return [t["function"] for t in req.tools]
 
 
+def _jinja(tok: Any) -> bool:
+    """Whether the model's chat template is a Jinja one (it takes template variables)."""
+    from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
+
+    return isinstance(tok.chat_template, GGUFChatTemplate)
+
+
 def _native(tok: Any) -> tuple[bool, bool]:
     """(the chat template renders tools, its calls are <tool_call> blocks)."""
     from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
@@ -143,6 +150,7 @@ def template_messages(req: GenerationRequest, tok: Any, *,
     assert req.messages is not None
     functions = _offered(req)
     native, _ = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
+    variables = dict(req.template_vars or {}) if _jinja(tok) else {}  # ChatML has none
     if native:
         msgs = []
         for m in req.messages:
@@ -154,7 +162,7 @@ def template_messages(req: GenerationRequest, tok: Any, *,
                 d["tool_call_id"] = m.tool_call_id
             msgs.append(d)
         tools = [{"type": "function", "function": f} for f in functions] or None
-        return msgs, {"tools": tools}
+        return msgs, {**variables, "tools": tools}
     called = {**(names or {}), **{c["id"]: c["function"]["name"] for m in req.messages
                                   for c in m.tool_calls or ()}}
     msgs = []
@@ -179,7 +187,7 @@ def template_messages(req: GenerationRequest, tok: Any, *,
             msgs[0] = {"role": "system", "content": f"{msgs[0]['content']}\n\n{text}"}
         else:
             msgs.insert(0, {"role": "system", "content": text})
-    return msgs, {}
+    return msgs, variables
 
 
 def tools_key(req: GenerationRequest) -> str | None:

@@ -248,6 +248,12 @@ class GenerationRequest:
     # the request field the messages came from, for errors: Ollama's /api/generate makes chat
     # turns of its "prompt"
     messages_field: str = "messages"
+    # a thinking model's reply: "auto" keeps its reasoning apart (daemon/reasoning.py), "none"
+    # leaves it in the text as the model wrote it
+    reasoning_format: str = "auto"
+    # variables for the model's Jinja chat template (llama-server's chat_template_kwargs, e.g.
+    # {"enable_thinking": false}; Ollama's think: false)
+    template_vars: dict[str, Any] | None = None
 
     def sampling_dict(self, seed: int) -> dict[str, Any]:
         """Plain data for the runner's SamplingParams (the seed resolved by the caller); the
@@ -717,7 +723,7 @@ EXTENSION_FIELDS = ("top_k", "min_p", "repeat_penalty", "repeat_last_n", "priori
                     "timeout_ms", "session")
 HONORED_FIELDS: dict[str, frozenset[str]] = {
     _CHAT: frozenset(("messages", "max_completion_tokens", "top_logprobs", "tools",
-                      "tool_choice", *_COMMON,
+                      "tool_choice", "reasoning_format", "chat_template_kwargs", *_COMMON,
                       *EXTENSION_FIELDS)),
     _COMPLETION: frozenset(("prompt", *_COMMON, *EXTENSION_FIELDS)),
 }
@@ -984,7 +990,45 @@ def parse_generation(
         logit_bias=_logit_bias(d),
         logprobs=_logprobs(d, chat),
         include_usage=_stream_options(d.get("stream_options")),
+        reasoning_format=_reasoning_format(d.get("reasoning_format")),
+        template_vars=_template_vars(d.get("chat_template_kwargs")),
     )
+
+
+REASONING_FORMATS = ("auto", "deepseek", "none")
+# names a chat template variable cannot have: the renderer's own inputs, and transformers'
+# apply_chat_template parameters
+_RESERVED_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                            "chat_template", "continue_final_message", "tokenize",
+                            "sanitize_control_tokens", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                            "tokenizer_kwargs", "conversation"})
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _reasoning_format(value: Any) -> str:
+    if value is None:
+        return "auto"
+    if value not in REASONING_FORMATS:
+        raise _bad("reasoning_format", f"expected one of {', '.join(REASONING_FORMATS)}, got "
+                   f"{_show(value)}", 'use "auto" (a thinking model\'s reasoning apart, in '
+                   'reasoning_content) or "none" (left in the content)')
+    return "none" if value == "none" else "auto"
+
+
+def _template_vars(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    hint = 'send an object of template variables, e.g. {"enable_thinking": false}'
+    if not isinstance(value, dict) or len(value) > 16:
+        raise _bad("chat_template_kwargs", f"expected an object of at most 16 variables, got "
+                   f"{_show(value)}", hint)
+    for key in value:
+        if not _VAR_NAME.fullmatch(key) or key in _RESERVED_VARS:
+            why = "is the template's own input" if key in _RESERVED_VARS else \
+                "is not a variable name (a letter or _, then letters, digits, _)"
+            raise _bad(f"chat_template_kwargs.{key}"[:120], f"{_show(key)} {why}", hint)
+    return dict(value) or None
 
 
 # ----- /tokenize and /detokenize (llama-server's shapes) ----------------------------------------
@@ -1106,6 +1150,7 @@ def completion_response(
     *, rid: str, model: str, created: int, chat: bool, text: str, finish_reason: str | None,
     prompt_tokens: int, completion_tokens: int, tool_calls: list[dict[str, Any]] | None = None,
     logprobs: dict[str, Any] | None = None, cached_tokens: int = 0,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
     tools: content `text` (the text before the calls) or null, finish_reason "tool_calls"
@@ -1124,6 +1169,8 @@ def completion_response(
     else:
         choice["text"] = text
         choice["logprobs"] = logprobs
+    if chat and reasoning is not None:  # a thinking model's reasoning (llama-server's name)
+        choice["message"]["reasoning_content"] = reasoning
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -1143,14 +1190,18 @@ def completion_chunk(
     *, rid: str, model: str, created: int, chat: bool, text: str | None,
     finish_reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None,
     include_usage: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; with chat, the first chunk carries the assistant role. `logprobs`:
     those of the tokens this chunk carries; `include_usage`: the chunk has `"usage": null`
     (the usage comes in `usage_chunk`, last); `tool_calls` (chat): whole calls, each with its
-    `index` in the delta, as OpenAI streams them."""
+    `index` in the delta, as OpenAI streams them; `reasoning` (chat): a piece of a thinking
+    model's reasoning (`delta.reasoning_content`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:

@@ -10,8 +10,9 @@ Invariants owned here:
   neutral), anything else 400 naming it.
 - `format` ("json" or a JSON Schema) becomes the OpenAI request's `response_format`.
 - Every top-level field is known or refused (400 naming it); fields of features this server
-  does not have (`images`, `template`, `context`, `suffix`, `think`, `logprobs`, image
-  generation) are accepted only with their neutral value.
+  does not have (`images`, `template`, `context`, `suffix`, `logprobs`, image generation)
+  are accepted only with their neutral value. `think` is a boolean: false becomes the template
+  variable `enable_thinking` false (daemon/ollama.py leaves the thought out of the reply).
 - `messages` take Ollama's roles (system, user, assistant, tool); they reach the model's chat
   template as the OpenAI chat route's do. An empty `messages` (or an empty `prompt`) asks for
   a load, or with `keep_alive` 0 an unload (`OllamaRequest.generation` is None).
@@ -132,8 +133,6 @@ _OPTIONS = sorted({"seed", "num_predict", *_MAPPED, *_PASS_THROUGH, *IGNORED_OPT
 _CHAT, _GEN = "/api/chat", "/api/generate"
 _BOTH = (_CHAT, _GEN)
 _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, str]] = {
-    "think": (_BOTH, lambda v: v is False, "false", "the models served here have no thinking "
-              "mode"),
     "logprobs": (_BOTH, lambda v: v is False, "false", "log probabilities are not supported"),
     "top_logprobs": (_BOTH, lambda v: v == 0 and _is_int(v), "0", "log probabilities are not "
                      "supported"),
@@ -149,9 +148,10 @@ _NEUTRAL_FIELDS: dict[str, tuple[tuple[str, ...], Callable[[Any], bool], str, st
     "height": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
     "steps": ((_GEN,), lambda v: False, "null", "image generation is not supported"),
 }
-_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive", "format", "tools"),
+_HONORED = {_CHAT: ("model", "messages", "stream", "options", "keep_alive", "format", "tools",
+                    "think"),
             _GEN: ("model", "prompt", "system", "raw", "stream", "options", "keep_alive",
-                   "format")}
+                   "format", "think")}
 _MESSAGE_KEYS = ("role", "content", "images", "tool_calls", "tool_name", "tool_call_id",
                  "thinking")
 _CALL_KEYS, _FUNCTION_KEYS = ("function", "id", "type"), ("name", "arguments", "index")
@@ -181,6 +181,9 @@ class OllamaRequest:
     generation: GenerationRequest | None  # None: load (or unload) the model only
     keep_alive: KeepAlive | None  # None: not given (the model's configured ttl_s)
     stream: bool
+    # a thinking model's reasoning: in `thinking` (None: not given, or true), or not thought
+    # at all where the template can turn it off and left out of the reply (false)
+    think: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -471,9 +474,25 @@ def _common(body: bytes, path: str) -> tuple[dict[str, Any], str, bool, KeepAliv
     return d, _model(d), bool_field(d, "stream", True), None if ka is None else parse_keep_alive(ka)
 
 
+def _think(d: Mapping[str, Any]) -> bool | None:
+    v = d.get("think")
+    if v is not None and not isinstance(v, bool):
+        raise _bad("think", f"expected true or false, got {_show(v)}",
+                   'use "think": true (the reasoning in `thinking`) or false (no thinking)')
+    return v
+
+
+def _thinking(greq: GenerationRequest, think: bool | None) -> GenerationRequest:
+    """`think: false` asks the template not to think (Qwen3's `enable_thinking`)."""
+    if think is False:
+        return dataclasses.replace(greq, template_vars={"enable_thinking": False})
+    return greq
+
+
 def parse_chat(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
     """POST /api/chat. No messages: a load (an unload with keep_alive 0)."""
     d, model, stream, ka = _common(body, _CHAT)
+    think = _think(d)
     messages = _messages(d)
     if not messages:
         _options(d, max_tokens_limit)  # checked all the same
@@ -481,14 +500,15 @@ def parse_chat(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
                              stream=stream)
     greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
                        messages=messages, prompt=None)
-    return OllamaRequest(chat=True, model=model, generation=greq, keep_alive=ka,
-                         stream=stream)
+    return OllamaRequest(chat=True, model=model, generation=_thinking(greq, think),
+                         keep_alive=ka, stream=stream, think=think)
 
 
 def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
     """POST /api/generate: `prompt` through the chat template as a user turn after `system`,
     or as is with `raw`. No prompt and no system: a load (an unload with keep_alive 0)."""
     d, model, stream, ka = _common(body, _GEN)
+    think = _think(d)
     texts = {}
     for key in ("prompt", "system"):
         v = d.get(key)
@@ -511,8 +531,8 @@ def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
         turns.append(ChatMessage("user", texts["prompt"]))
         greq = _generation(d, model=model, stream=stream, limit=max_tokens_limit,
                            messages=tuple(turns), prompt=None, messages_field="prompt")
-    return OllamaRequest(chat=False, model=model, generation=greq, keep_alive=ka,
-                         stream=stream)
+    return OllamaRequest(chat=False, model=model, generation=_thinking(greq, think),
+                         keep_alive=ka, stream=stream, think=think)
 
 
 @dataclass(frozen=True)
@@ -594,25 +614,31 @@ def ollama_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 def chunk(*, chat: bool, model: str, now: float, text: str,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          tool_calls: list[dict[str, Any]] | None = None,
+          thinking: str | None = None) -> dict[str, Any]:
     """One streamed object (`done: false`); with `tool_calls` (Ollama's shape), a message
-    that calls tools."""
+    that calls tools; `thinking`: (a piece of) a thinking model's reasoning."""
     out: dict[str, Any] = {"model": model, "created_at": rfc3339(now)}
     if chat:
         out["message"] = {"role": "assistant", "content": text}
+        if thinking:
+            out["message"]["thinking"] = thinking
         if tool_calls:
             out["message"]["tool_calls"] = tool_calls
     else:
         out["response"] = text
+        if thinking:
+            out["thinking"] = thinking
     out["done"] = False
     return out
 
 
 def final(*, chat: bool, model: str, now: float, text: str, done_reason: str,
-          stats: Stats | None, tool_calls: list[dict[str, Any]] | None = None
-          ) -> dict[str, Any]:
+          stats: Stats | None, tool_calls: list[dict[str, Any]] | None = None,
+          thinking: str | None = None) -> dict[str, Any]:
     """The last object (`done: true`, why, and the statistics of a generation)."""
-    out = chunk(chat=chat, model=model, now=now, text=text, tool_calls=tool_calls)
+    out = chunk(chat=chat, model=model, now=now, text=text, tool_calls=tool_calls,
+                thinking=thinking)
     out["done"] = True
     out["done_reason"] = done_reason
     if stats is not None:
