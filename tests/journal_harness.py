@@ -97,6 +97,18 @@ def journal_tokens(path: Path) -> dict[str, list[int]]:
         raw.close()
 
 
+def prompt_ids(path: Path, rid: str) -> list[int]:
+    """The prompt ids the journal at `path` holds for request `rid`."""
+    from edge_agent.journal.store import unpack_ids
+
+    raw = sqlite3.connect(path)
+    try:
+        return unpack_ids(raw.execute("SELECT prompt_ids FROM requests WHERE id = ?",
+                                      (rid,)).fetchone()[0])
+    finally:
+        raw.close()
+
+
 def sessions_history(path: Path, sid: str) -> list[int] | None:
     from edge_agent.journal.store import unpack_ids
 

@@ -17,7 +17,6 @@ generation prompt) SmolLM2 writes a thought, `</think>` and an answer: OpenAI's
 from __future__ import annotations
 
 import json
-import sqlite3
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +24,8 @@ from typing import Any
 
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
-from journal_harness import link_prepared
+from journal_harness import link_prepared, prompt_ids
 
-from edge_agent.journal.store import unpack_ids
 from edge_agent.runtime.chat_template import GGUFChatTemplate
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -75,22 +73,13 @@ def _chat(d: Daemon, model: str, **body: Any) -> dict[str, Any]:
     return dict(reply)
 
 
-def _prompt_ids(journal: Path, rid: str) -> list[int]:
-    raw = sqlite3.connect(journal)
-    try:
-        return unpack_ids(raw.execute("SELECT prompt_ids FROM requests WHERE id = ?",
-                                      (rid,)).fetchone()[0])
-    finally:
-        raw.close()
-
-
 def test_the_prompt_is_the_template_files_rendering(daemon: Daemon) -> None:
     rendered = GGUFChatTemplate(QWEN.read_text()).render(USER)
     assert rendered.startswith("<|im_start|>system\nYou are Qwen")
     status, ids = daemon.json("POST", "/tokenize", {"content": rendered, "model": "qwenstyle"})
     assert status == 200, ids
     reply = _chat(daemon, "qwenstyle")
-    assert _prompt_ids(daemon.journal, reply["id"]) == ids["tokens"]  # type: ignore[attr-defined]
+    assert prompt_ids(daemon.journal, reply["id"]) == ids["tokens"]  # type: ignore[attr-defined]
     own = _chat(daemon, "smollm2")  # the same GGUF under its own template: another prompt
     assert own["usage"]["prompt_tokens"] != len(ids["tokens"])
     status, show = daemon.json("POST", "/api/show", {"model": "qwenstyle"})
@@ -110,13 +99,13 @@ def test_a_template_that_renders_tools_gets_native_calls_in_a_session(daemon: Da
     call = r1["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather"
     assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
-    p1 = _prompt_ids(journal, r1["id"])
+    p1 = prompt_ids(journal, r1["id"])
     status, text = daemon.json("POST", "/detokenize", {"tokens": p1, "model": "qwenstyle"})
     assert status == 200 and "<tools>\n" + json.dumps(WEATHER) in text["content"], text
 
     result = {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees"}
     r2 = _chat(daemon, "qwenstyle", messages=[result], tool_choice="none", **ask)
-    p2 = _prompt_ids(journal, r2["id"])
+    p2 = prompt_ids(journal, r2["id"])
     assert p2[:len(p1)] == p1
     status, turn = daemon.json("POST", "/detokenize", {"tokens": p2[len(p1):],
                                                        "model": "qwenstyle"})

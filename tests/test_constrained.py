@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
+from journal_harness import prompt_ids
 
 from edge_agent.daemon.structured import CallGate, call_content, parse_tool_calls
 from edge_agent.protocol.api import ApiError, parse_generation
@@ -386,17 +387,6 @@ def _session_row(journal: Path, sid: str) -> tuple[list[int], str | None, str | 
         raw.close()
 
 
-def _prompt_ids(journal: Path, rid: str) -> list[int]:
-    from edge_agent.journal.store import unpack_ids
-
-    raw = sqlite3.connect(journal)
-    try:
-        return unpack_ids(raw.execute("SELECT prompt_ids FROM requests WHERE id = ?",
-                                      (rid,)).fetchone()[0])
-    finally:
-        raw.close()
-
-
 def test_a_session_keeps_its_tools_and_the_names_of_its_calls(client: openai.OpenAI) -> None:
     """Turn 1 offers a tool and calls it; turn 2 sends only the tool's result: its prompt is the
     history plus that result, naming the function the call id called (kept with the session in
@@ -414,13 +404,13 @@ def test_a_session_keeps_its_tools_and_the_names_of_its_calls(client: openai.Ope
     history, tools, calls = _session_row(journal, sid)
     assert json.loads(tools or "null") == [WEATHER["function"]]
     assert json.loads(calls or "null") == {call.id: "get_weather"}
-    assert history[:len(_prompt_ids(journal, r1.id))] == _prompt_ids(journal, r1.id)
+    assert history[:len(prompt_ids(journal, r1.id))] == prompt_ids(journal, r1.id)
 
     r2 = client.chat.completions.create(
         messages=[{"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}],
         tool_choice="none", max_tokens=30, **ask)
     assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls, r2
-    p2 = _prompt_ids(journal, r2.id)
+    p2 = prompt_ids(journal, r2.id)
     assert p2[:len(history)] == history and r2.usage.prompt_tokens == len(p2)
 
     def text(ids: list[int]) -> str:

@@ -299,8 +299,7 @@ class OllamaRoutes:
         """How `rec`'s reply is parsed for a thinking model's reasoning (reasoning.py)."""
         if not rec.request.chat:
             return None
-        return reasoning.thought_start(rec.request, svc.ensure_tokenizer(), rec.job.prompt_ids,
-                                       rec.job.params)
+        return reasoning.thought_of(rec, svc.ensure_tokenizer())
 
     @staticmethod
     async def _check_thinks(svc: ServedModel) -> None:

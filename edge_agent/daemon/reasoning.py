@@ -20,13 +20,16 @@ Invariants owned here:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_agent.daemon.structured import CallGate
 from edge_agent.protocol.api import GenerationRequest
 
+if TYPE_CHECKING:
+    from edge_agent.daemon.requests import RequestRecord
+
 __all__ = ["OPEN", "CLOSE", "ReplyGate", "ThinkGate", "model_thinks", "reply_parts",
-           "split_thought", "thought_start"]
+           "split_thought", "thought_of", "thought_start"]
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -40,6 +43,11 @@ def model_thinks(tok: Any) -> bool:
     if not isinstance(template, GGUFChatTemplate):
         return False
     return CLOSE in template.template + (template.tool_use_template or "")
+
+
+def thought_of(rec: RequestRecord, tok: Any) -> bool | None:
+    """`thought_start` of an accepted request (`tok`: its model's vocabulary)."""
+    return thought_start(rec.request, tok, rec.job.prompt_ids, rec.job.params)
 
 
 def thought_start(req: GenerationRequest, tok: Any, prompt_ids: Sequence[int],

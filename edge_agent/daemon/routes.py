@@ -229,8 +229,7 @@ class Router:
         """How `rec`'s reply is parsed for a thinking model's reasoning (reasoning.py)."""
         if not rec.request.chat:
             return None
-        tok = self.host.services[rec.model].ensure_tokenizer()
-        return reasoning.thought_start(rec.request, tok, rec.job.prompt_ids, rec.job.params)
+        return reasoning.thought_of(rec, self.host.services[rec.model].ensure_tokenizer())
 
     def _logprobs(self, rec: RequestRecord, start: int, end: int) -> dict[str, Any] | None:
         """OpenAI's logprobs object for tokens [start, end) of `rec` (None: not asked)."""
