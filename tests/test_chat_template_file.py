@@ -203,6 +203,8 @@ def test_ollama_think_shows_hides_or_turns_off_the_thought(daemon: Daemon) -> No
     objs = [json.loads(line) for line in data.splitlines() if line.strip()]
     assert "".join(o["message"].get("thinking", "") for o in objs) == want["reasoning_content"]
     assert "".join(o["message"]["content"] for o in objs) == want["content"]
+    status, show = daemon.json("POST", "/api/show", {"model": "thinker"})
+    assert status == 200 and show["capabilities"] == ["completion", "tools", "thinking"], show
     status, g = daemon.json("POST", "/api/generate", {
         "model": "thinker", "prompt": SUM[0]["content"], "stream": False,
         "options": {"temperature": 0, "num_predict": 40}})

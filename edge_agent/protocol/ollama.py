@@ -684,9 +684,11 @@ def model_info(meta: Mapping[str, Any], parameters: int) -> dict[str, Any]:
 def show_body(*, meta: Mapping[str, Any], parameters: int, dominant: str | None,
               path: str, context: int, modified: float,
               template: str | None = None) -> dict[str, Any]:
-    """`template`: the chat template in use when it is not the GGUF's own."""
+    """`template`: the chat template in use when it is not the GGUF's own. A template that
+    speaks of `</think>` is a thinking model's (daemon/reasoning.py)."""
     if template is None:
         template = meta.get("tokenizer.chat_template")
+    thinks = isinstance(template, str) and "</think>" in template
     return {
         "modelfile": f"FROM {path}\nPARAMETER num_ctx {context}\n",
         "parameters": f"num_ctx {context}",
@@ -694,7 +696,8 @@ def show_body(*, meta: Mapping[str, Any], parameters: int, dominant: str | None,
         "license": str(meta.get("general.license") or ""),
         "details": model_details(meta, parameters, dominant),
         "model_info": model_info(meta, parameters),
-        "capabilities": ["completion", "tools"],  # tools: through the template or a prompt
+        # tools: through the template or a prompt
+        "capabilities": ["completion", "tools", *(["thinking"] if thinks else [])],
         "modified_at": rfc3339(modified),
     }
 
