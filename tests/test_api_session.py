@@ -97,7 +97,8 @@ def test_a_session_turn_with_tools_continues_what_the_template_renders() -> None
     assert _text(p1) == vocab.chat_template.render([user], tools=[WEATHER])
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     rec = SimpleNamespace(id="req-abc", model="qwen", request=req1, text=reply,
-                          job=SimpleNamespace(prompt_ids=p1), tokens=vocab.encode(reply))
+                          job=SimpleNamespace(prompt_ids=p1, params={}),
+                          tokens=vocab.encode(reply))
     sessions.finished(rec, True)  # type: ignore[arg-type]
 
     result = {"role": "tool", "tool_call_id": "call_abc_0", "content": "18 degrees"}

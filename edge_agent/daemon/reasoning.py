@@ -74,7 +74,7 @@ class ThinkGate:
         self.text = ""  # the reply so far
         self.done = 0  # characters of it accounted for (sent, or tags and whitespace dropped)
         self.state = "thought" if opened else "start"  # start | thought | answer
-        self.thought = opened  # the reply has a thought (reasoning_content is not None)
+        self.thought = opened  # the reply has a thought (an empty one gives no reasoning)
         self.begun = False  # the thought's first non-blank character was sent
         self.answering = False  # the answer's first non-blank character was sent
 

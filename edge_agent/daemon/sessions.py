@@ -33,7 +33,7 @@ import sqlite3
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from edge_agent.daemon import structured
+from edge_agent.daemon import reasoning, structured
 from edge_agent.errors import (
     InvalidRequest,
     JournalFailed,
@@ -211,7 +211,9 @@ class Sessions:
             history += self._turn_end(rec.model)
             before = self._kept_quietly(sid, rec.model)
             tools = structured.tools_key(req)
-            calls = {**before.calls, **structured.call_names(req, rec.text, rec.id)}
+            tok = self.models[rec.model].ensure_tokenizer()
+            answer = reasoning.reply_parts(rec.text, reasoning.thought_of(rec, tok))[1]
+            calls = {**before.calls, **structured.call_names(req, answer, rec.id)}
         store = self.journal.store
         if store is None:
             self._memory[sid] = _Kept(rec.model, history, tools, calls)
