@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.daemon.structured import CallGate
+from edge_agent.daemon.structured import CallGate, held_tail, jinja_template
 from edge_agent.protocol.api import GenerationRequest
 
 if TYPE_CHECKING:
@@ -37,12 +37,9 @@ OPEN, CLOSE = "<think>", "</think>"
 def model_thinks(tok: Any) -> bool:
     """Whether the model's chat template speaks of thoughts (a Jinja template from the GGUF or
     models.NAME.chat_template_file; the numpy engine's ChatML never does)."""
-    from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
-
-    template = tok.chat_template
-    if not isinstance(template, GGUFChatTemplate):
-        return False
-    return CLOSE in template.template + (template.tool_use_template or "")
+    template = jinja_template(tok)
+    return template is not None and (CLOSE in template.template
+                                     or CLOSE in (template.tool_use_template or ""))
 
 
 def thought_of(rec: RequestRecord, tok: Any) -> bool | None:
@@ -59,12 +56,6 @@ def thought_start(req: GenerationRequest, tok: Any, prompt_ids: Sequence[int],
     if not req.chat or req.reasoning_format == "none" or constrained or not model_thinks(tok):
         return None
     return bool(tok.detokenize(list(prompt_ids[-8:])).rstrip().endswith(OPEN))
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
-                 if text.endswith(tag[:k])), 0)
 
 
 class ThinkGate:
@@ -93,7 +84,7 @@ class ThinkGate:
                 self.state, self.answering = "answer", True  # no thought: the reply as it is
         if self.state == "thought":
             at = self.text.find(CLOSE, self.done)
-            end = at if at >= 0 else len(self.text) - _held(self.text, CLOSE)
+            end = at if at >= 0 else len(self.text) - held_tail(self.text, CLOSE)
             part = self.text[self.done:end]
             if not self.begun:
                 stripped = part.lstrip()

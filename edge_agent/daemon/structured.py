@@ -35,8 +35,8 @@ from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
 __all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "call_names", "chat_prompt",
-           "grammar_for", "may_call_tools", "parse_tool_calls", "reply_content",
-           "template_messages", "tool_calls", "tools_key"]
+           "grammar_for", "held_tail", "jinja_template", "may_call_tools", "parse_tool_calls",
+           "reply_content", "template_messages", "tool_calls", "tools_key"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -64,19 +64,26 @@ def _offered(req: GenerationRequest) -> list[dict[str, Any]]:
     return [t["function"] for t in req.tools]
 
 
-def _jinja(tok: Any) -> bool:
-    """Whether the model's chat template is a Jinja one (it takes template variables)."""
+def jinja_template(tok: Any) -> Any:
+    """The model's Jinja chat template (`GGUFChatTemplate`: it takes template variables), or
+    None: no template, or the numpy engine's ChatML."""
     from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
 
-    return isinstance(tok.chat_template, GGUFChatTemplate)
+    template = tok.chat_template
+    return template if isinstance(template, GGUFChatTemplate) else None
+
+
+def held_tail(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (a stream holds
+    them until the next piece says)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
+                 if text.endswith(tag[:k])), 0)
 
 
 def _native(tok: Any) -> tuple[bool, bool]:
     """(the chat template renders tools, its calls are <tool_call> blocks)."""
-    from edge_agent.runtime.chat_template import GGUFChatTemplate  # loaded with the vocab
-
-    template = tok.chat_template
-    if not isinstance(template, GGUFChatTemplate):
+    template = jinja_template(tok)
+    if template is None:
         return False, False  # none, or the numpy engine's ChatML: tools go in a system message
     render = template.render
     probe = [{"role": "user", "content": "x"}]
@@ -150,7 +157,7 @@ def template_messages(req: GenerationRequest, tok: Any, *,
     assert req.messages is not None
     functions = _offered(req)
     native, _ = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
-    variables = dict(req.template_vars or {}) if _jinja(tok) else {}  # ChatML has none
+    variables = dict(req.template_vars or {}) if jinja_template(tok) else {}  # ChatML: none
     if native:
         msgs = []
         for m in req.messages:
@@ -290,8 +297,7 @@ class CallGate:
         if at >= 0:
             self.shut, limit = True, at
         else:
-            limit = len(text) - next((k for k in range(min(len(_MARK) - 1, len(text)), 0, -1)
-                                      if text.endswith(_MARK[:k])), 0)
+            limit = len(text) - held_tail(text, _MARK)
         out = text[self.sent:limit].rstrip()  # trailing whitespace waits for what follows
         self.sent += len(out)
         return out
