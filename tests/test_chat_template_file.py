@@ -16,6 +16,7 @@ generation prompt) SmolLM2 writes a thought, `</think>` and an answer: OpenAI's
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ pytestmark = [pytest.mark.timeout(600)]
 
 QWEN = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 THINKING = QWEN.parent / "thinking-fewshot.jinja"
+QWEN3 = QWEN.parent / "Qwen-Qwen3-0.6B.jinja"
+R1_LLAMA = QWEN.parent / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+R1_QWEN = QWEN.parent / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
 SUM = [{"role": "user", "content": "What is 5+5?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -58,8 +62,16 @@ def daemon(prepared_state_dir: Path, model_path: Path) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="ea-tf-", dir="/tmp"))
     broken = root / "broken.jinja"
     broken.write_text("{% for message in messages %}{{ message.content }")
+    variables = root / "variables.jinja"  # what a request's chat_template_kwargs can make it do
+    variables.write_text(
+        "{%- if flavour == 'sour' %}{{ raise_exception('no sour flavour here') }}{% endif -%}\n"
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor -%}\n"
+        "{%- for i in range(echoes | default(0)) %}{{ echo }}{% endfor -%}\n"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}\n")
     cfg = _config(root, prepared_state_dir, model_path, "llamacpp",
-                  {"qwenstyle": QWEN, "broken": broken, "thinker": THINKING})
+                  {"qwenstyle": QWEN, "broken": broken, "thinker": THINKING, "qwen3": QWEN3,
+                   "r1llama": R1_LLAMA, "r1qwen": R1_QWEN, "variables": variables})
     with launch(Daemon, root, serve_argv(cfg)) as d:
         d.broken = broken  # type: ignore[attr-defined]
         d.journal = prepared_state_dir / "journal.sqlite3"  # type: ignore[attr-defined]
@@ -224,3 +236,125 @@ def test_ollama_think_shows_hides_or_turns_off_the_thought(daemon: Daemon) -> No
 
 def want_prompt_tokens(reply: dict[str, Any]) -> int:
     return int(reply["usage"]["prompt_tokens"])
+
+
+def _prompt_text(d: Daemon, model: str, rid: str) -> str:
+    """The prompt the journal holds for request `rid`, as text."""
+    ids = prompt_ids(d.journal, rid)  # type: ignore[attr-defined]
+    status, text = d.json("POST", "/detokenize", {"tokens": ids, "model": model})
+    assert status == 200, text
+    return str(text["content"])
+
+
+def test_the_copied_templates_are_the_ones_the_manifest_names() -> None:
+    manifest = json.loads((QWEN.parent / "MANIFEST.json").read_text())
+    for name, entry in manifest["templates"].items():
+        data = (QWEN.parent / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], name
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+THOUGHT = "The user wants the weather. I should call get_weather."
+
+
+def test_a_thought_sent_back_is_rendered_where_the_template_renders_it(daemon: Daemon) -> None:
+    """Qwen3's own template renders an assistant's reasoning_content in a tool-call loop (after
+    the last user query). A call sent back as OpenAI clients send it (content null, arguments
+    a JSON string) renders as llama-server renders it: content "", arguments as the object
+    they encode, not a string of JSON."""
+    said = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}
+    tail = ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+            "<|im_start|>user\n<tool_response>\n18 degrees\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n")
+    ask = {"tools": [WEATHER], "max_tokens": 1}
+    plain = _chat(daemon, "qwen3", messages=[*USER, said, result], **ask)
+    text = _prompt_text(daemon, "qwen3", plain["id"])
+    assert text.endswith("<|im_start|>assistant\n<tool_call>\n" + tail), text[-400:]
+    thought = _chat(daemon, "qwen3", messages=[
+        *USER, {**said, "reasoning_content": THOUGHT}, result], **ask)
+    text = _prompt_text(daemon, "qwen3", thought["id"])
+    assert text.endswith(f"<|im_start|>assistant\n<think>\n{THOUGHT}\n</think>\n\n"
+                         "<tool_call>\n" + tail), text[-400:]
+
+    # Qwen2.5's template writes arguments with tojson only: a string would come out quoted
+    reply = _chat(daemon, "qwenstyle", messages=[*USER, said, result], **ask)
+    text = _prompt_text(daemon, "qwenstyle", reply["id"])
+    assert text.endswith("<|im_start|>assistant\n<tool_call>\n" + tail), text[-400:]
+
+    # Ollama's `thinking` is the same reasoning: the same prompt, token for token
+    ollama = {"model": "qwen3", "stream": False, "tools": [WEATHER],
+              "options": {"temperature": 0, "num_predict": 1}, "messages": [
+                  *USER, {"role": "assistant", "content": "", "thinking": THOUGHT,
+                          "tool_calls": [{"function": {"name": "get_weather",
+                                                       "arguments": {"city": "Paris"}}}]},
+                  {"role": "tool", "tool_name": "get_weather", "content": "18 degrees"}]}
+    status, o = daemon.json("POST", "/api/chat", ollama)
+    assert status == 200, o
+    assert o["prompt_eval_count"] == thought["usage"]["prompt_tokens"], o
+    assert o["prompt_eval_count"] > plain["usage"]["prompt_tokens"]
+
+    # the reasoning is an assistant's, and text
+    for body, where in (
+            ({"messages": [{**USER[0], "reasoning_content": THOUGHT}]},
+             "messages[0].reasoning_content"),
+            ({"messages": [*USER, {**said, "reasoning_content": 5}, result]},
+             "messages[1].reasoning_content")):
+        status, err = daemon.json("POST", "/v1/chat/completions", {
+            "model": "qwen3", "max_tokens": 1, **body})
+        assert status == 400 and err["error"]["param"] == where, err
+        assert "Hint:" in err["error"]["message"], err
+    status, err = daemon.json("POST", "/api/chat", {
+        **ollama, "messages": [{**USER[0], "thinking": THOUGHT}]})
+    assert status == 400 and "messages[0].thinking" in err["error"], err
+
+
+def test_a_template_that_writes_arguments_as_text_gets_the_text() -> None:
+    """Which form a template takes a call's arguments in is found by rendering one, as
+    llama.cpp finds it: an object for templates that write it with tojson, the JSON text for
+    one that concatenates it (DeepSeek-R1-Distill-Llama's) or prints it as it is."""
+    from edge_agent.daemon.structured import _object_arguments
+
+    for path, objects in ((QWEN, True), (QWEN3, True), (R1_LLAMA, False), (R1_QWEN, True)):
+        assert _object_arguments(GGUFChatTemplate(path.read_text())) is objects, path.name
+    printed = GGUFChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                               "{{ c.function.arguments }}{% endfor %}{% endfor %}")
+    assert not _object_arguments(printed)  # a dict printed is Python's repr, not JSON
+
+
+def test_a_thought_the_generation_prompt_opens_is_reasoning(daemon: Daemon) -> None:
+    """DeepSeek-R1-Distill-Llama's template opens the thought in the generation prompt, so the
+    whole reply, until a </think>, is reasoning. The vendored R1-Distill-Qwen template closes
+    it again unless enable_thinking is true: llama-server sets it true unless the request's
+    chat_template_kwargs say otherwise, and so does the daemon."""
+    ask = {"messages": SUM, "temperature": 0, "max_tokens": 6}
+    for model in ("r1llama", "r1qwen"):
+        raw = _chat(daemon, model, reasoning_format="none", **ask)
+        assert _prompt_text(daemon, model, raw["id"]).endswith("<｜Assistant｜><think>\n")
+        text = raw["choices"][0]["message"]["content"]
+        assert "</think>" not in text, text  # six tokens: the thought is still open
+        msg = _chat(daemon, model, **ask)["choices"][0]["message"]
+        assert (msg["reasoning_content"], msg["content"]) == (text.strip(), ""), (model, msg)
+    off = _chat(daemon, "r1qwen", chat_template_kwargs={"enable_thinking": False}, **ask)
+    assert _prompt_text(daemon, "r1qwen", off["id"]).endswith("<｜Assistant｜><think>\n</think>")
+    assert "reasoning_content" not in off["choices"][0]["message"], off
+
+
+def test_template_variables_that_break_the_render_are_a_400_naming_them(daemon: Daemon) -> None:
+    """A variable the template refuses (raise_exception) or that makes the rendering outgrow
+    its bound is the request's fault: a 400 naming the variables, and the model serves on."""
+    for kwargs, said in (({"flavour": "sour"}, "no sour flavour here"),
+                         ({"echo": "x" * 40_000, "echoes": 64}, "rendering the chat template "
+                          "stopped")):
+        status, err = daemon.json("POST", "/v1/chat/completions", {
+            "model": "variables", "messages": SUM, "max_tokens": 1,
+            "chat_template_kwargs": kwargs})
+        assert status == 400 and err["error"]["param"] == "messages", err
+        message = err["error"]["message"]
+        assert said in message and "Hint:" in message, message
+        assert f"template variables {', '.join(sorted(kwargs))} the request set" in message
+    reply = _chat(daemon, "variables", messages=SUM, chat_template_kwargs={
+        "flavour": "sweet", "echo": "!", "echoes": 3})
+    text = _prompt_text(daemon, "variables", reply["id"])
+    assert text.endswith("What is 5+5?<|im_end|>\n!!!<|im_start|>assistant\n"), text

@@ -162,6 +162,10 @@ def test_tool_calls_recognized_in_both_forms() -> None:
     assert parse_tool_calls('```json\n{"name": "get_weather", "arguments": "{}"}\n```',
                             names) == [("get_weather", {})]
     assert parse_tool_calls('{"name": "other", "arguments": {}}', names) is None
+    # Llama 3.x's templates ask for "parameters" (and may add "type")
+    assert parse_tool_calls('{"type": "function", "name": "get_weather", "parameters": '
+                            '{"city": "Oslo"}}', names) == [("get_weather", {"city": "Oslo"})]
+    assert parse_tool_calls('{"name": "get_weather", "parameters": [1]}', names) is None
     assert parse_tool_calls("It is sunny.", names) is None
 
 

@@ -114,6 +114,14 @@ def test_generate_prompt_system_raw() -> None:
         with pytest.raises(ApiError) as info:
             parse_generate(body, max_tokens_limit=9)
         assert info.value.status == 400 and "Hint:" in info.value.message
+    for think in (b"true", b"false"):  # no template opens or closes a raw prompt's thought
+        with pytest.raises(ApiError) as info:
+            parse_generate(b'{"model": "m", "prompt": "Hi", "raw": true, "think": %s}' % think,
+                           max_tokens_limit=9)
+        assert info.value.param == "think" and 'drop "think"' in info.value.message
+    g = parse_generate(b'{"model": "m", "prompt": "Hi", "think": false}',
+                       max_tokens_limit=9).generation
+    assert g.chat and g.template_vars == {"enable_thinking": False}
 
 
 def test_rfc3339_is_utc() -> None:

@@ -382,7 +382,10 @@ class Daemon:
             raise InvalidRequest(f"field {req.messages_field!r}: model {name!r} cannot take "
                                  f"chat messages: {exc}{raw}") from exc
         except ChatMessageError as exc:  # the template refused them, or its render's bounds
-            raise InvalidRequest(f"field {req.messages_field!r}: {exc}") from exc
+            names = ", ".join(sorted(req.template_vars or ()))
+            given = f" (rendered with the template variables {names} the request set)" \
+                if names else ""
+            raise InvalidRequest(f"field {req.messages_field!r}: {exc}{given}") from exc
         field = req.messages_field if req.chat else "prompt"
         if not prompt_ids:
             raise InvalidRequest(f"field {field!r}: encodes to no tokens. "

@@ -11,11 +11,16 @@ Invariants owned here:
   form is then `<tool_call>{json}</tool_call>` if the template speaks of it, else a bare JSON
   object); a template that ignores them (SmolLM2's, Gemma 3's, the numpy engine's ChatML) gets
   TOOLS_PROMPT as a system message, assistant tool calls as their JSON text and tool results
-  as user messages (docs/api.md).
+  as user messages (docs/api.md). A template that renders tools gets a call sent back as
+  llama-server gives it: content "" for null, its arguments the object they encode when the
+  template writes objects (`_object_arguments`, probed once per template), else their text.
+- Every Jinja template gets `enable_thinking` true unless the request sets it (llama-server's
+  default), and an assistant's reasoning sent back as the message's `reasoning_content`.
 - `parse_tool_calls` recognizes `<tool_call>{json}</tool_call>` blocks, or a reply that is one
-  JSON object {"name": NAME, "arguments": {...}} (a ```json fence around it allowed), NAME one
-  of the request's functions; anything else is text. A reply with blocks keeps the text
-  before the first as its content (`call_content`).
+  JSON object {"name": NAME, "arguments": {...}} ("parameters" for "arguments", as Llama 3.x
+  writes it; a ```json fence around it allowed), NAME one of the request's functions;
+  anything else is text. A reply with blocks keeps the text before the first as its content
+  (`call_content`).
 - A stream of a reply that may call tools (`CallGate`) sends as text what can no longer be part
   of a call, as it comes: the text before a `<tool_call>` (or before a tail that could begin
   one), without its trailing whitespace; a reply whose first non-blank character is `{` or a
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -131,13 +137,51 @@ def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
     return grammar
 
 
+def _arguments(fn: dict[str, Any]) -> Any:
+    """A call's arguments as the JSON value their text encodes (as sent, when it does not)."""
+    try:
+        return json.loads(fn["arguments"])
+    except ValueError:
+        return fn["arguments"]
+
+
 def _call_text(call: dict[str, Any]) -> str:
     fn = call["function"]
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        args = fn["arguments"]
-    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+    return json.dumps({"name": fn["name"], "arguments": _arguments(fn)}, ensure_ascii=False)
+
+
+_PROBE_VALUE = "edge-agent-probe-value"
+_OBJECT_ARGUMENTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _object_arguments(template: Any) -> bool:
+    """Whether `template` writes a call's arguments given as an object, as JSON (most do, with
+    `tojson`, as transformers documents); False: it needs their JSON text (it concatenates
+    them). Found once per template by rendering a call, as llama.cpp finds it."""
+    known = _OBJECT_ARGUMENTS.get(template)
+    if known is None:
+        call = {"id": "call00001", "type": "function",
+                "function": {"name": "tool1", "arguments": {"arg": _PROBE_VALUE}}}
+        probe = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call00001", "content": "y"}]
+        tool = [{"type": "function", "function": {"name": "tool1", "parameters": {
+            "type": "object", "properties": {"arg": {"type": "string"}}}}}]
+        try:
+            text = template.render(probe, tools=tool)
+        except Exception:  # noqa: BLE001 - it cannot take objects: the JSON text, as sent
+            text = ""
+        known = re.search(r'"arg":\s*"' + _PROBE_VALUE, text) is not None
+        _OBJECT_ARGUMENTS[template] = known
+    return known
+
+
+def _template_call(call: dict[str, Any], objects: bool) -> dict[str, Any]:
+    """A call sent back, for a template that renders calls: its arguments as the object they
+    encode when the template takes objects (`_object_arguments`), else as sent."""
+    fn = call["function"]
+    return {**call, "function": {**fn, "arguments": _arguments(fn) if objects
+                                 else fn["arguments"]}}
 
 
 def chat_prompt(req: GenerationRequest, tok: Any) -> list[int]:
@@ -157,16 +201,21 @@ def template_messages(req: GenerationRequest, tok: Any, *,
     assert req.messages is not None
     functions = _offered(req)
     native, _ = _native(tok) if (functions or _has_tool_turns(req)) else (False, False)
-    variables = dict(req.template_vars or {}) if jinja_template(tok) else {}  # ChatML: none
+    jinja = jinja_template(tok) is not None
+    # llama-server's variables: enable_thinking true unless the request says otherwise
+    variables = {"enable_thinking": True, **(req.template_vars or {})} if jinja else {}
     if native:
+        objects = any(m.tool_calls for m in req.messages) and _object_arguments(
+            jinja_template(tok))
         msgs = []
         for m in req.messages:
             d: dict[str, Any] = {"role": m.role, "content": m.content}
-            if m.tool_calls:
-                d["tool_calls"] = [dict(c) for c in m.tool_calls]
-                d["content"] = m.content or None
+            if m.tool_calls:  # as llama-server gives them: content "", arguments an object
+                d["tool_calls"] = [_template_call(c, objects) for c in m.tool_calls]
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            if m.reasoning is not None and jinja:
+                d["reasoning_content"] = m.reasoning
             msgs.append(d)
         tools = [{"type": "function", "function": f} for f in functions] or None
         return msgs, {**variables, "tools": tools}
@@ -184,6 +233,8 @@ def template_messages(req: GenerationRequest, tok: Any, *,
                          else text})
         else:
             msgs.append({"role": m.role, "content": m.content})
+        if m.reasoning is not None and jinja and m.role == "assistant":
+            msgs[-1]["reasoning_content"] = m.reasoning
     if functions and listing:
         choice = req.tool_choice
         rule = (_RULE["named"].format(name=choice["function"]["name"])
@@ -229,7 +280,8 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> list[tuple[str, dict[st
             return None
         if not isinstance(obj, dict) or obj.get("name") not in names:
             return None
-        args = obj.get("arguments", {})
+        # Llama 3.x's templates ask for {"name", "parameters"}, as llama-server reads them
+        args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
                 args = json.loads(args)

@@ -69,6 +69,7 @@ __all__ = [
     "end_error",
     "api_error",
     "ChatMessage",
+    "message_reasoning",
     "DetokenizeRequest",
     "IGNORED_FIELDS",
     "TokenizeRequest",
@@ -213,6 +214,9 @@ class ChatMessage:
     content: str  # "" for an assistant message that only calls tools (content null)
     tool_calls: tuple[dict[str, Any], ...] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+    # assistant: the reasoning a thinking model wrote before this answer, sent back
+    # (`reasoning_content`; Ollama's `thinking`), for templates that render it (Qwen3's)
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -576,9 +580,25 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(content, str):
             raise _bad(f"{where}.content", f"expected a string, got {_show(content)}",
                        "send the message text as a string")
-        out.append(ChatMessage(role, content, calls,
-                               call_id if role == "tool" else None))
+        out.append(ChatMessage(role, content, calls, call_id if role == "tool" else None,
+                               message_reasoning(m, "reasoning_content", where, role)))
     return tuple(out)
+
+
+def message_reasoning(m: Mapping[str, Any], key: str, where: str, role: Any,
+                      bad: Callable[[str, str, str], ApiError] = field_error) -> str | None:
+    """An assistant message's reasoning sent back under `key` (None: absent or null); `bad`:
+    the route's 400 for a field."""
+    value = m.get(key)
+    if value is None:
+        return None
+    if role != "assistant":
+        raise bad(f"{where}.{key}", "only assistant messages carry a thinking model's "
+                   "reasoning", f"leave {key} out of {role} messages")
+    if not isinstance(value, str):
+        raise bad(f"{where}.{key}", f"expected a string, got {_show(value)}",
+                  "send back the reasoning of the reply as it came, or leave it out")
+    return value
 
 
 def _tool_calls(v: Any, where: str, role: Any) -> tuple[dict[str, Any], ...] | None:

@@ -45,6 +45,7 @@ from edge_agent.protocol.api import (
     ChatMessage,
     GenerationRequest,
     bool_field,
+    message_reasoning,
     parse_generation,
     parse_json_body,
 )
@@ -398,7 +399,7 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if m.get("images") not in (None, []):
             raise _bad(f"{where}.images", "the models served here take no images",
                        "remove 'images' from the message", code="unsupported_parameter")
-        for key in ("tool_name", "tool_call_id", "thinking"):  # thinking: accepted, not rendered
+        for key in ("tool_name", "tool_call_id"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise _bad(f"{where}.{key}", f"expected a string, got {_show(m[key])}",
                            "send a string or leave it out")
@@ -406,7 +407,8 @@ def _messages(d: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if calls:
             pending.extend((c["id"], c["function"]["name"]) for c in calls)
         call_id = _answers(m, pending) if role == "tool" else None
-        out.append(ChatMessage(role, content, calls, call_id))
+        out.append(ChatMessage(role, content, calls, call_id,
+                               message_reasoning(m, "thinking", where, role, _bad)))
     return tuple(out)
 
 
@@ -519,6 +521,10 @@ def parse_generate(body: bytes, *, max_tokens_limit: int) -> OllamaRequest:
     if raw and texts["system"]:
         raise _bad("system", "a raw prompt is sent as is, so a system message has nowhere to "
                    "go", 'put it in the prompt yourself, or drop "raw"')
+    if raw and think is not None:
+        raise _bad("think", "a raw prompt is sent as is, without the template that opens or "
+                   "closes a thought, and its reply is given as written", 'drop "think", or '
+                   'drop "raw" to have the prompt rendered as a user turn')
     if not texts["prompt"] and not texts["system"]:
         _options(d, max_tokens_limit)
         return OllamaRequest(chat=False, model=model, generation=None, keep_alive=ka,
