@@ -86,7 +86,8 @@ def test_a_start_leaves_numpy_out_of_the_control_plane_and_asyncio_out_of_the_ru
     """What `serve` runs before READY, on the llama.cpp engine: the CLI, the daemon's modules,
     the model's budget from its GGUF, its vocabulary, the journal. numpy would cost the
     control plane 13 MiB of PSS and 0.1 s of start, importlib.metadata 1.4 MiB; asyncio the
-    runner 3 MiB."""
+    runner 3 MiB. sqlite-utils (~50 ms) is imported by the journal's first open, which comes
+    after the first runner's spawn."""
     control = f"""
 import sys
 from pathlib import Path
@@ -94,6 +95,7 @@ from edge_agent.cli import build_parser
 build_parser().parse_args(["serve", "--print-config"])
 import edge_agent.daemon.app
 from edge_agent.journal import open_journal
+assert "sqlite_utils" not in sys.modules  # imported when the journal opens, after the spawn
 from edge_agent.paths import default_model_path
 from edge_agent.runtime.engines import model_facts, open_tokenizer
 assert model_facts(default_model_path()).n_layers > 0

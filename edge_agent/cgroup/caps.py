@@ -13,11 +13,11 @@ Invariants owned here:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import re
 from pathlib import Path
 
 from edge_agent.cgroup.fs import CgroupError
+from edge_agent.libc import libc
 
 __all__ = ["CAP_SYS_RESOURCE", "cap_sets", "holds", "drop_ambient"]
 
@@ -54,10 +54,10 @@ def drop_ambient(cap: int) -> bool:
     """Drop `cap` from this process if it was granted ambiently; True when dropped."""
     if not holds(cap, which="CapAmb"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    lib = libc()
     hdr = _Header(_VERSION_3, 0)
     data = (_Data * 2)()
-    if libc.capget(ctypes.byref(hdr), data) != 0:
+    if lib.capget(ctypes.byref(hdr), data) != 0:
         err = ctypes.get_errno()
         raise CgroupError(f"capget(2) for this process failed (errno {err}). Hint: the "
                           f"capability {cap} stays held; report this kernel.", err=err)
@@ -65,7 +65,7 @@ def drop_ambient(cap: int) -> bool:
     mask = ctypes.c_uint32(~(1 << bit)).value
     for name in ("effective", "permitted", "inheritable"):
         setattr(data[word], name, getattr(data[word], name) & mask)
-    if libc.capset(ctypes.byref(hdr), data) != 0:
+    if lib.capset(ctypes.byref(hdr), data) != 0:
         err = ctypes.get_errno()
         raise CgroupError(f"capset(2) dropping capability {cap} failed (errno {err}). Hint: "
                           "it stays held; remove it from the unit's AmbientCapabilities= on "

@@ -15,7 +15,6 @@ Invariants owned here:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.cgroup.fs import CgroupError
+from edge_agent.libc import libc
 
 __all__ = ["parse_memory_events", "MemoryEvent", "EventsWatcher", "Inotify", "OOM_KEYS"]
 
@@ -69,12 +69,12 @@ class Inotify:
     """A minimal inotify(7) wrapper over libc through ctypes."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        self._add = libc.inotify_add_watch
+        lib = libc()
+        self._add = lib.inotify_add_watch
         self._add.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
-        self._rm = libc.inotify_rm_watch
+        self._rm = lib.inotify_rm_watch
         self._rm.argtypes = (ctypes.c_int, ctypes.c_int)
-        fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        fd = lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"inotify_init1: {os.strerror(e)}")

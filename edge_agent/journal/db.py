@@ -44,9 +44,9 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edge_agent.journal._sqlite_utils import sqlite_utils
+from edge_agent.journal._sqlite_utils import database
 from edge_agent.journal.errors import (
     JournalError,
     JournalMissingError,
@@ -62,6 +62,9 @@ from edge_agent.journal.quarantine import (
     quarantine,
     wal_keep_path,
 )
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = [
     "Journal",
@@ -222,7 +225,7 @@ def _open_readonly(path: Path, connect: Connect | None, t0: float) -> Journal:
         raise NotAJournalError(f"{path} is not an edge-agent journal (SQLite schema version "
                            f"{version}, {what}). Hint: point --journal at the daemon's journal "
                            "(STATE_DIR/journal.sqlite3, or journal.path in its configuration).")
-    db = sqlite_utils.Database(conn, execute_plugins=False)
+    db = database(conn, execute_plugins=False)
     return Journal(path, db, synchronous="(set by the writer on each open)", readonly=True,
                    quarantined=None, open_seconds=time.monotonic() - t0,
                    schema_version=version)
@@ -299,7 +302,7 @@ def open_journal(
         try:
             fresh = conn.execute("PRAGMA page_count").fetchone()[0] == 0
             _configure(conn, sync)
-            db = sqlite_utils.Database(conn, execute_plugins=False, tracer=tracer)
+            db = database(conn, execute_plugins=False, tracer=tracer)
             overlap = (while_checking is not None and check != "none" and not fresh
                        and event is None and not migrations.pending(db))
             t_check = time.monotonic()

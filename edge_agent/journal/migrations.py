@@ -42,8 +42,12 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from edge_agent.journal._sqlite_utils import sqlite_utils
+from edge_agent.journal._sqlite_utils import database
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 __all__ = ["Migrations", "MIGRATIONS", "REQUEST_STATES", "FINISHED_STATES", "SECTOR_STATES",
            "schema_of"]
@@ -52,7 +56,7 @@ REQUEST_STATES = ("queued", "running", "done", "failed", "cancelled", "expired")
 FINISHED_STATES = ("done", "failed", "cancelled", "expired")
 SECTOR_STATES = ("pending", "erased", "written", "verified")
 
-Migration = Callable[[sqlite_utils.Database], None]
+Migration = Callable[["sqlite_utils.Database"], None]
 
 
 class Migrations:
@@ -90,7 +94,7 @@ class Migrations:
         if version not in self._schemas:
             conn = sqlite3.connect(":memory:", isolation_level=None)
             try:
-                db = sqlite_utils.Database(conn, execute_plugins=False)
+                db = database(conn, execute_plugins=False)
                 for number in sorted(self._steps):
                     if number <= version:
                         self._steps[number](db)

@@ -13,13 +13,14 @@ Invariants owned here:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from edge_agent.libc import libc
 
 __all__ = [
     "MLOCK_POLICIES",
@@ -44,7 +45,7 @@ _libc: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib = libc()
         for fn in (lib.mlock, lib.munlock):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             fn.restype = ctypes.c_int
