@@ -80,6 +80,14 @@ def test_chat_messages_and_content_parts() -> None:
     assert [(m.role, m.content) for m in r.messages] == [("system", "s"), ("user", "ab")]
 
 
+def test_an_assistants_reasoning_sent_back_is_kept() -> None:
+    r = parse({"messages": [{"role": "user", "content": "a"},
+                            {"role": "assistant", "content": "b", "reasoning_content": "r"},
+                            {"role": "assistant", "content": "c", "reasoning_content": None}]},
+              chat=True)
+    assert [m.reasoning for m in r.messages] == [None, "r", None]
+
+
 def test_native_requests_take_prompt_or_messages() -> None:
     assert parse({"prompt": "x"}, chat=None).chat is False
     assert parse({"messages": [{"role": "user", "content": "x"}]}, chat=None).chat is True
@@ -132,6 +140,11 @@ def test_bad_fields_name_the_field(body: dict, field: str, words: str) -> None:
     ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], "'messages[1].role'"),
     ([{"role": "user", "content": 3}], "'messages[0].content'"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "'messages[0].content[0]'"),
+    ([{"role": "user", "content": "a", "reasoning_content": "r"}],
+     "'messages[0].reasoning_content'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b",
+                                          "reasoning_content": ["r"]}],
+     "'messages[1].reasoning_content'"),
 ])
 def test_bad_messages_name_the_path(messages: object, field: str) -> None:
     assert field in bad({"messages": messages}, chat=True).message

@@ -124,6 +124,17 @@ def test_generate_prompt_system_raw() -> None:
     assert g.chat and g.template_vars == {"enable_thinking": False}
 
 
+def test_an_assistants_thinking_is_its_reasoning() -> None:
+    said = {"role": "assistant", "content": "4", "thinking": "2+2"}
+    r = chat(messages=[*HI, said])
+    assert [m.reasoning for m in r.generation.messages] == [None, "2+2"]
+    for messages, where in (([{**HI[0], "thinking": "x"}], "messages[0].thinking"),
+                            ([*HI, {**said, "thinking": 4}], "messages[1].thinking")):
+        with pytest.raises(ApiError) as info:
+            chat(messages=messages)
+        assert info.value.param == where and "Hint:" in info.value.message
+
+
 def test_rfc3339_is_utc() -> None:
     assert rfc3339(0.5) == "1970-01-01T00:00:00.500000Z"
 
