@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 from daemon_proc import Daemon, launch, serve_argv
-from journal_harness import link_prepared, prompt_ids
+from journal_harness import journal_tokens, link_prepared, prompt_ids
 
+from edge_agent.daemon.structured import call_key
 from edge_agent.runtime.chat_template import GGUFChatTemplate
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -36,6 +37,7 @@ THINKING = QWEN.parent / "thinking-fewshot.jinja"
 QWEN3 = QWEN.parent / "Qwen-Qwen3-0.6B.jinja"
 R1_LLAMA = QWEN.parent / "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
 R1_QWEN = QWEN.parent / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+LLAMA32 = QWEN.parent / "meta-llama-Llama-3.2-3B-Instruct.jinja"
 SUM = [{"role": "user", "content": "What is 5+5?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -71,7 +73,8 @@ def daemon(prepared_state_dir: Path, model_path: Path) -> Iterator[Daemon]:
         "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}\n")
     cfg = _config(root, prepared_state_dir, model_path, "llamacpp",
                   {"qwenstyle": QWEN, "broken": broken, "thinker": THINKING, "qwen3": QWEN3,
-                   "r1llama": R1_LLAMA, "r1qwen": R1_QWEN, "variables": variables})
+                   "r1llama": R1_LLAMA, "r1qwen": R1_QWEN, "variables": variables,
+                   "llama32": LLAMA32})
     with launch(Daemon, root, serve_argv(cfg)) as d:
         d.broken = broken  # type: ignore[attr-defined]
         d.journal = prepared_state_dir / "journal.sqlite3"  # type: ignore[attr-defined]
@@ -358,3 +361,30 @@ def test_template_variables_that_break_the_render_are_a_400_naming_them(daemon: 
         "flavour": "sweet", "echo": "!", "echoes": 3})
     text = _prompt_text(daemon, "variables", reply["id"])
     assert text.endswith("What is 5+5?<|im_end|>\n!!!<|im_start|>assistant\n"), text
+
+
+def test_a_template_that_asks_for_parameters_gets_a_call_with_parameters(daemon: Daemon) -> None:
+    """Llama 3.x's templates tell the model to answer {"name", "parameters"}: a required call
+    is decoded in that form (its grammar's key is the template's) and parsed as a call; the
+    call sent back renders in the same form."""
+    r = _chat(daemon, "llama32", tools=[WEATHER], tool_choice="required", max_tokens=40)
+    assert r["choices"][0]["finish_reason"] == "tool_calls", r
+    call = r["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    tokens = journal_tokens(daemon.journal)[r["id"]]  # type: ignore[attr-defined]
+    status, text = daemon.json("POST", "/detokenize", {"tokens": tokens, "model": "llama32"})
+    assert status == 200 and text["content"].startswith('{"name": "get_weather", '
+                                                        '"parameters": {"city": '), text
+    said = {"role": "assistant", "content": None, "tool_calls": [call]}
+    again = _chat(daemon, "llama32", messages=[*USER, said, {
+        "role": "tool", "tool_call_id": call["id"], "content": "18 degrees"}], tools=[WEATHER])
+    prompt = _prompt_text(daemon, "llama32", again["id"])
+    assert f'{{"name": "get_weather", "parameters": {call["function"]["arguments"]}}}' \
+        in prompt, prompt[-300:]
+    class Vocab:  # what call_key reads of a vocabulary
+        def __init__(self, path: Path) -> None:
+            self.chat_template = GGUFChatTemplate(path.read_text())
+
+    assert [call_key(Vocab(p)) for p in (LLAMA32, QWEN, QWEN3, THINKING)] == [
+        "parameters", "arguments", "arguments", "arguments"]

@@ -4,6 +4,8 @@ Invariants owned here:
 - A request gets a grammar (runtime/constrain.py, sent to the runner with its sampling
   parameters and journaled with them) only for `response_format` json_object / json_schema or
   `tool_choice` "required" / a named function; every other request is decoded unconstrained.
+- A required call's grammar writes its arguments under the key the model's template writes
+  a call sent back under (`call_key`: "parameters" for Llama 3.x's, else "arguments").
 - A grammar is checked before the request is accepted: a schema the library cannot compile is
   an `InvalidRequest` (edge_agent/errors.py; HTTP 400 `invalid_request`) naming
   `response_format` (or the tool) and the library's reason.
@@ -120,7 +122,7 @@ def grammar_for(req: GenerationRequest, tok: Any) -> str | None:
                                  '"auto".')
         if isinstance(choice, dict):
             functions = [f for f in functions if f["name"] == choice["function"]["name"]]
-        grammar = tool_call_grammar(functions, tags=_native(tok)[1])
+        grammar = tool_call_grammar(functions, tags=_native(tok)[1], key=call_key(tok))
         field, what = "tools", "a function's parameters"
     elif req.response_format is not None:
         fmt = req.response_format
@@ -151,15 +153,14 @@ def _call_text(call: dict[str, Any]) -> str:
 
 
 _PROBE_VALUE = "edge-agent-probe-value"
-_OBJECT_ARGUMENTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_PROBES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def _object_arguments(template: Any) -> bool:
-    """Whether `template` writes a call's arguments given as an object, as JSON (most do, with
-    `tojson`, as transformers documents); False: it needs their JSON text (it concatenates
-    them). Found once per template by rendering a call, as llama.cpp finds it."""
-    known = _OBJECT_ARGUMENTS.get(template)
-    if known is None:
+def _probe(template: Any) -> str:
+    """`template`'s rendering of a call sent back with its arguments as an object ("": it
+    cannot render one), once per template: how llama.cpp finds what a template takes."""
+    text = _PROBES.get(template)
+    if text is None:
         call = {"id": "call00001", "type": "function",
                 "function": {"name": "tool1", "arguments": {"arg": _PROBE_VALUE}}}
         probe = [{"role": "user", "content": "x"},
@@ -168,12 +169,28 @@ def _object_arguments(template: Any) -> bool:
         tool = [{"type": "function", "function": {"name": "tool1", "parameters": {
             "type": "object", "properties": {"arg": {"type": "string"}}}}}]
         try:
-            text = template.render(probe, tools=tool)
+            text = str(template.render(probe, tools=tool))
         except Exception:  # noqa: BLE001 - it cannot take objects: the JSON text, as sent
             text = ""
-        known = re.search(r'"arg":\s*"' + _PROBE_VALUE, text) is not None
-        _OBJECT_ARGUMENTS[template] = known
-    return known
+        _PROBES[template] = text
+    return text
+
+
+def _object_arguments(template: Any) -> bool:
+    """Whether `template` writes a call's arguments given as an object, as JSON (most do, with
+    `tojson`, as transformers documents); False: it needs their JSON text (it concatenates
+    them)."""
+    return re.search(r'"arg":\s*"' + _PROBE_VALUE, _probe(template)) is not None
+
+
+def call_key(tok: Any) -> str:
+    """The key a model's template writes a call's arguments under: "parameters" for one that
+    writes {"name", "parameters"} (Llama 3.x's), else "arguments"."""
+    template = jinja_template(tok)
+    if template is None or not re.search(r'"parameters":\s*\{\s*"arg":\s*"' + _PROBE_VALUE,
+                                         _probe(template)):
+        return "arguments"
+    return "parameters"
 
 
 def _template_call(call: dict[str, Any], objects: bool) -> dict[str, Any]:

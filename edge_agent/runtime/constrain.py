@@ -71,16 +71,18 @@ def json_grammar(schema: Mapping[str, Any] | None) -> str:
     return "start: " + _json_rule(schema if schema is not None else {"type": "object"})
 
 
-def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, tags: bool) -> str:
-    """One call of one of `functions` ({"name", "parameters"}): `{"name": NAME, "arguments":
-    {...}}` with arguments following that function's parameters schema; with `tags`, wrapped
-    in `<tool_call>\\n...\\n</tool_call>` (the Hermes/Qwen form)."""
+def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, tags: bool,
+                      key: str = "arguments") -> str:
+    """One call of one of `functions` ({"name", "parameters"}): `{"name": NAME, KEY: {...}}`
+    with the arguments following that function's parameters schema, KEY "arguments" or
+    "parameters" (Llama 3.x's form); with `tags`, wrapped in `<tool_call>\\n...\\n</tool_call>`
+    (the Hermes/Qwen form)."""
     variants = []
     for fn in functions:
         params = fn.get("parameters") or {"type": "object"}
         variants.append({"type": "object",
-                         "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+                         "properties": {"name": {"const": fn["name"]}, key: params},
+                         "required": ["name", key], "additionalProperties": False})
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     body = _json_rule(schema)
     if tags:
