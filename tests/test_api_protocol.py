@@ -614,6 +614,14 @@ def test_reasoning_format_and_template_variables_are_checked() -> None:
         with pytest.raises(ApiError) as info:
             parse(**body)
         assert info.value.param == param and "Hint:" in info.value.message, info.value
+    # every name the Jinja renderer refuses is refused here, as a 400 naming it (the two lists
+    # live on either side of the protocol/runtime wall)
+    from edge_agent.runtime.chat_template import _NOT_VARIABLES
+
+    for name in sorted(_NOT_VARIABLES | {"tools", "documents", "add_generation_prompt"}):
+        with pytest.raises(ApiError) as info:
+            parse(chat_template_kwargs={name: 1})
+        assert info.value.param == f"chat_template_kwargs.{name}", name
     with pytest.raises(ApiError) as info:  # chat only
         parse_generation({"prompt": "x", "reasoning_format": "none"}, chat=False,
                          max_tokens_limit=9)

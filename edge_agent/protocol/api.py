@@ -1017,7 +1017,8 @@ def parse_generation(
 
 REASONING_FORMATS = ("auto", "deepseek", "none")
 # names a chat template variable cannot have: the renderer's own inputs, and transformers'
-# apply_chat_template parameters
+# apply_chat_template parameters (runtime/chat_template.py's _NOT_VARIABLES, which this room
+# does not import; tests/test_api_protocol.py checks this holds all of them)
 _RESERVED_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                             "chat_template", "continue_final_message", "tokenize",
                             "sanitize_control_tokens", "padding", "truncation", "max_length",
