@@ -207,7 +207,7 @@ def test_ollama_think_shows_hides_or_turns_off_the_thought(daemon: Daemon) -> No
     want = r["choices"][0]["message"]
     ask = {"model": "thinker", "messages": SUM, "stream": False,
            "options": {"temperature": 0, "num_predict": 40}}
-    for think in (None, True):
+    for think in (None, True, "low"):  # Ollama's levels are "on" for a model with none
         status, o = daemon.json("POST", "/api/chat", {**ask, **(
             {} if think is None else {"think": think})})
         assert status == 200, o
@@ -233,8 +233,9 @@ def test_ollama_think_shows_hides_or_turns_off_the_thought(daemon: Daemon) -> No
     # think: true for a model that does not think is a 400 naming think
     status, err = daemon.json("POST", "/api/chat", {**ask, "model": "smollm2", "think": True})
     assert status == 400 and "field 'think': model 'smollm2' does not think" in err["error"], err
-    status, err = daemon.json("POST", "/api/chat", {**ask, "think": "high"})
-    assert status == 400 and "field 'think': expected true or false" in err["error"], err
+    status, err = daemon.json("POST", "/api/chat", {**ask, "think": "max"})
+    assert status == 400 and "field 'think': expected true, false or one of high, medium, " \
+        'low, got "max"' in err["error"], err
 
 
 def want_prompt_tokens(reply: dict[str, Any]) -> int:

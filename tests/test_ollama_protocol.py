@@ -80,7 +80,7 @@ def test_bad_options_name_the_option(options: dict[str, Any], param: str, words:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"format": "yaml"}, "format"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"think": "high"}, "think"), ({"frobnicate": 1}, "frobnicate"),
+    ({"think": "max"}, "think"), ({"think": 1}, "think"), ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].images"),
     ({"messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
     ({"stream": "yes"}, "stream"),
@@ -122,6 +122,17 @@ def test_generate_prompt_system_raw() -> None:
     g = parse_generate(b'{"model": "m", "prompt": "Hi", "think": false}',
                        max_tokens_limit=9).generation
     assert g.chat and g.template_vars == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("level", ["high", "medium", "low"])
+def test_a_think_level_turns_thinking_on(level: str) -> None:
+    """Ollama's levels are "thinking on" for a model that has none (Ollama's ThinkValue.Bool)."""
+    r = chat(think=level)
+    assert r.think is True and r.generation is not None
+    assert r.generation.template_vars is None  # enable_thinking stays the default, true
+    g = parse_generate(json.dumps({"model": "m", "prompt": "Hi", "think": level}).encode(),
+                       max_tokens_limit=9)
+    assert g.think is True
 
 
 def test_an_assistants_thinking_is_its_reasoning() -> None:

@@ -11,7 +11,8 @@ Invariants owned here:
 - `format` ("json" or a JSON Schema) becomes the OpenAI request's `response_format`.
 - Every top-level field is known or refused (400 naming it); fields of features this server
   does not have (`images`, `template`, `context`, `suffix`, `logprobs`, image generation)
-  are accepted only with their neutral value. `think` is a boolean: false becomes the template
+  are accepted only with their neutral value. `think` is a boolean (or a level, "high" / "medium" /
+  "low", taken as true, as Ollama takes it for a model without levels): false becomes the template
   variable `enable_thinking` false (daemon/ollama.py leaves the thought out of the reply).
 - `messages` take Ollama's roles (system, user, assistant, tool); they reach the model's chat
   template as the OpenAI chat route's do. An empty `messages` (or an empty `prompt`) asks for
@@ -476,11 +477,19 @@ def _common(body: bytes, path: str) -> tuple[dict[str, Any], str, bool, KeepAliv
     return d, _model(d), bool_field(d, "stream", True), None if ka is None else parse_keep_alive(ka)
 
 
+THINK_LEVELS = ("high", "medium", "low")
+
+
 def _think(d: Mapping[str, Any]) -> bool | None:
+    """`think`: a boolean, or one of Ollama's levels, which turn thinking on (as Ollama takes
+    them for a model with no levels of its own: every model whose thought is parsed here)."""
     v = d.get("think")
+    if v in THINK_LEVELS:
+        return True
     if v is not None and not isinstance(v, bool):
-        raise _bad("think", f"expected true or false, got {_show(v)}",
-                   'use "think": true (the reasoning in `thinking`) or false (no thinking)')
+        raise _bad("think", f"expected true, false or one of {', '.join(THINK_LEVELS)}, got "
+                   f"{_show(v)}", 'use "think": true (the reasoning in `thinking`) or false '
+                   "(no thinking)")
     return v
 
 
