@@ -26,7 +26,7 @@ import pytest
 from daemon_proc import Daemon, launch, serve_argv
 from journal_harness import prompt_ids
 
-from edge_agent.daemon.structured import CallGate, call_content, parse_tool_calls
+from edge_agent.daemon.structured import CallGate, parse_tool_calls
 from edge_agent.protocol.api import ApiError, parse_generation
 from edge_agent.runtime.constrain import Constraints, check_grammar, json_grammar
 from edge_agent.runtime.sampling import SamplingParams
@@ -171,12 +171,29 @@ def test_tool_calls_recognized_in_both_forms() -> None:
 
 
 def _gate(pieces: list[str]) -> tuple[list[str], str, bool]:
-    """What a stream sends for `pieces` (piece by piece), what it sends at the end, and
-    whether the reply is a call of get_weather."""
-    gate = CallGate()
+    """What a stream sends as text for `pieces` (piece by piece), what it sends at the end,
+    and whether the reply calls get_weather."""
+    gate = CallGate(["get_weather"])
     sent = [gate.feed(p) for p in pieces]
-    calls = parse_tool_calls(gate.text, ["get_weather"]) is not None
-    return sent, gate.rest(calls), calls
+    return sent, gate.end(), bool(gate.calls)
+
+
+def _parts(pieces: list[str], names: tuple[str, ...] = ("get_weather",)) -> list[list[Any]]:
+    """The calls' parts a stream sends after each piece, and at the end."""
+    gate = CallGate(names)
+    out = []
+    for p in pieces:
+        gate.feed(p)
+        out.append(gate.take())
+    gate.end()
+    return [*out, gate.take()]
+
+
+def _whole(reply: str, names: tuple[str, ...] = ("get_weather",)) -> tuple[str, list[Any]]:
+    """(content, [(name, arguments' text, closed)]) of the unstreamed reply."""
+    gate = CallGate(names)
+    text = gate.feed(reply) + gate.end()
+    return text, [(c.name, c.arguments, c.closed) for c in gate.calls]
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -186,13 +203,14 @@ def test_a_stream_that_may_call_tools_sends_text_as_soon_as_it_cannot_be_a_call(
     # text streams as it comes; trailing whitespace waits for what follows it
     assert _gate(["Bon", "jour", "! ", "Ça va ?"]) == (["Bon", "jour", "!", " Ça va ?"], "",
                                                         False)
-    # a `<tool_call>` split across pieces: the text before it went, the call comes whole
+    # a `<tool_call>` split across pieces: the text before it went, then the call
     assert _gate(["Let me check.", " <tool", "_call>", CALL[11:]]) == (
         ["Let me check.", "", "", ""], "", True)
-    assert call_content("Let me check. " + CALL) == "Let me check."
+    assert _whole("Let me check. " + CALL) == (
+        "Let me check.", [("get_weather", '{"city": "Oslo"}', True)])
     # what only looked like the start of one is sent once it is not
     assert _gate(["Use <to", "day> here"]) == (["Use", " <today> here"], "", False)
-    # a reply that begins like a bare or fenced JSON call is held whole, call or not
+    # a reply that begins like a bare or fenced JSON call is held until it is one, or the end
     assert _gate(['  {"name"', ': "get_weather", "arguments": {}}']) == (["", ""], "", True)
     assert _gate(["{not json", "}"]) == (["", ""], "{not json}", False)
     assert _gate(["```json\n", '{"name": "get_weather", "arguments": {}}\n```']) == (
@@ -203,21 +221,60 @@ def test_a_stream_that_may_call_tools_sends_text_as_soon_as_it_cannot_be_a_call(
     assert _gate(["Hi <tool_call>", "oops</tool_call> bye"]) == (["Hi", ""],
                                                                  " <tool_call>oops</tool_call> bye",
                                                                  False)
-    assert call_content(CALL) is None and call_content('{"name": "get_weather"}') is None
+    # held whole and read whole: a call with no arguments is a call with none
+    assert _whole(CALL)[0] == "" and _whole('{"name": "get_weather"}') == (
+        "", [("get_weather", "{}", True)])
+
+
+def test_a_call_streams_its_name_then_its_arguments_as_written() -> None:
+    pieces = ['Sure. <tool_call>\n{"name": "get_', 'weather", "argu', 'ments": {"ci',
+              'ty": "Oslo", "note": "a } and a \\" {"}', '}\n</tool_call>', " Done."]
+    assert _parts(pieces) == [[], [], [(0, "get_weather", '{"ci')],
+                              [(0, None, 'ty": "Oslo", "note": "a } and a \\" {"}')], [], [],
+                              []]
+    # the text after a call is left out; the arguments are the text the model wrote
+    assert _whole("".join(pieces)) == (
+        "Sure.", [("get_weather", '{"city": "Oslo", "note": "a } and a \\" {"}', True)])
+    # Llama 3.x's "parameters", bare and fenced; the rest of the reply is left out
+    assert _whole('```json\n{"name":"get_weather","parameters":{"city":"Oslo"}}\n``` ok') == (
+        "", [("get_weather", '{"city":"Oslo"}', True)])
+    # cut short: the call keeps what was written (the route's finish_reason says "length")
+    assert _whole('{"name": "get_weather", "arguments": {"city": "Os') == (
+        "", [("get_weather", '{"city": "Os', False)])
+    # after a call, a block in another form is read whole when it closes; one that is not a
+    # call is left out
+    other = '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>'
+    assert _whole(CALL + other + "<tool_call>oops</tool_call>") == (
+        "", [("get_weather", '{"city": "Oslo"}', True), ("get_weather", '{"city": "Rome"}', True)])
+    # a function that was not offered is no call: the reply is text
+    assert _whole('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>') == (
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', [])
+    # names are matched whole, even when one begins another
+    assert _parts(['{"name": "get', '", "arguments": {}}'], ("get", "get_weather")) == [
+        [], [(0, "get", "{}")], []]
 
 
 def test_whatever_the_pieces_a_gated_stream_sends_the_unstreamed_reply() -> None:
     rng = random.Random(7)
     replies = ["Sure. " + CALL + "\n" + CALL, CALL, "  " + CALL[11:-12], "It is <b>sunny</b>.",
                "a <tool_call", "Oslo: <tool_call>{}</tool_call> done", "\n\nPlain text.\n",
-               "x" + CALL + " and text after it"]
+               "x" + CALL + " and text after it", CALL + "<tool_call>oops</tool_call>",
+               '{"name": "get_weather", "arguments": {"city": "Os',
+               '```json\n{"name": "get_weather", "arguments": "{}"}\n```',
+               CALL + '<tool_call>{"arguments": {}, "name": "get_weather"}</tool_call> bye']
     for reply in replies:
+        content, calls = _whole(reply)
         for _ in range(40):
             cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randint(1, 9))))
             pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)], strict=True)]
-            sent, rest, calls = _gate(pieces)
-            whole = (call_content(reply) or "") if calls else reply
-            assert "".join(sent) + rest == whole, (reply, pieces)
+            sent, rest, _ = _gate(pieces)
+            assert "".join(sent) + rest == content, (reply, pieces)
+            streamed: dict[int, list[str]] = {}
+            for index, name, args in (p for after in _parts(pieces) for p in after):
+                assert (index in streamed) == (name is None), (reply, pieces)
+                streamed.setdefault(index, [name, ""])[1] += args
+            assert [tuple(v) for v in streamed.values()] == [c[:2] for c in calls], (
+                reply, pieces)
 
 
 # -- the daemon through the openai SDK -------------------------------------------------------------
@@ -344,6 +401,10 @@ def test_tool_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
 
 def test_a_streamed_reply_that_may_call_tools_is_the_unstreamed_reply(
         client: openai.OpenAI) -> None:
+    """The stream, put together as the SDK's own stream helper does (`accumulate_delta`), is
+    the unstreamed reply; a call's arguments come in parts as they are written."""
+    from openai.lib.streaming._deltas import accumulate_delta
+
     if client.engine == "numpy":  # type: ignore[attr-defined]
         pytest.skip("the streaming is the routes' own: checked on the default engine")
     kinds = set()
@@ -353,26 +414,33 @@ def test_a_streamed_reply_that_may_call_tools_is_the_unstreamed_reply(
                                "messages": [{"role": "user", "content": text}],
                                "temperature": 0, "max_tokens": 60, "logprobs": True}
         whole = client.chat.completions.create(**ask)
-        content, calls, finish, roles, texts, lps = "", {}, [], [], 0, []
+        message: dict[Any, Any] = {}
+        finish, roles, texts, parts, lps = [], [], 0, 0, []
         for chunk in client.chat.completions.create(stream=True, **ask):
             delta = chunk.choices[0].delta
             roles += [delta.role] if delta.role else []
-            content += delta.content or ""
+            message = accumulate_delta(message, delta.to_dict())
             texts += bool(delta.content)
+            parts += bool(delta.tool_calls)
             lps += [e.token for e in chunk.choices[0].logprobs.content or ()] \
                 if chunk.choices[0].logprobs else []
-            calls.update({c.index: c for c in delta.tool_calls or ()})
             finish += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
         msg = whole.choices[0].message
         assert roles == ["assistant"] and finish == [whole.choices[0].finish_reason], finish
+        assert message.get("content") == msg.content or (
+            msg.content is None and not message.get("content"))
         if msg.tool_calls:
-            assert content == (msg.content or "") and finish == ["tool_calls"]
-            assert [(c.type, c.function.name, c.function.arguments) for c in calls.values()] \
-                == [(c.type, c.function.name, c.function.arguments) for c in msg.tool_calls]
-            assert all(c.id and c.id.startswith("call_") for c in calls.values())
+            assert finish == ["tool_calls"]
+            calls = message["tool_calls"]
+            assert [(c["type"], c["function"]["name"], c["function"]["arguments"])
+                    for c in calls] == [(c.type, c.function.name, c.function.arguments)
+                                        for c in msg.tool_calls]
+            assert all(c["id"].startswith("call_") for c in calls)  # once each, not repeated
+            assert len({c["id"] for c in calls}) == len(calls) and all(
+                c["id"].count("call_") == 1 for c in calls)
+            assert parts > 1, parts  # the arguments came as they were written
         else:
-            assert calls == {} and content == msg.content, (content, msg.content)
-            assert texts > 1, texts  # the text streamed as it came, not held to the end
+            assert "tool_calls" not in message and texts > 1, texts  # text as it came
             assert whole.choices[0].logprobs and lps == [
                 e.token for e in whole.choices[0].logprobs.content or ()]
         kinds.add(bool(msg.tool_calls))

@@ -406,6 +406,35 @@ def test_tool_call_round_trip(client: Any, daemon: Daemon, base: str) -> None:
     assert not any(p.message.tool_calls for p in parts)
 
 
+def test_a_call_cut_short(client: Any, daemon: Daemon) -> None:
+    """A reply that ends inside a call's arguments: the OpenAI route gives the call with the
+    arguments written so far and finish_reason "length", as OpenAI does; Ollama's calls carry
+    an object, so its routes leave the call out (content "", done_reason "length"), streamed
+    or not."""
+    full = _oracle(daemon, ASK)["choices"][0]["message"]["tool_calls"][0]["function"]
+    head = '{"name": "get_weather", "arguments": {"'
+    status, ids = daemon.json("POST", "/tokenize", {"model": "smollm2", "content": head})
+    assert status == 200, ids
+    n = len(ids["tokens"]) + 1  # the call made, its arguments begun, not ended
+    status, oa = daemon.json("POST", "/v1/chat/completions", {
+        "model": "smollm2", "messages": _openai_form(ASK), "tools": [WEATHER],
+        "temperature": 0, "max_tokens": n})
+    assert status == 200, oa
+    choice = oa["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    args = call["function"]["arguments"]
+    assert choice["finish_reason"] == "length" and call["function"]["name"] == "get_weather"
+    assert args.startswith("{") and full["arguments"].startswith(args) and args != full[
+        "arguments"], (args, full)
+    cut = dict(TOOL_GREEDY, num_predict=n)
+    r = client.chat(model="smollm2", messages=ASK, tools=[WEATHER], options=cut)
+    assert (r.message.content, r.message.tool_calls, r.done_reason) == ("", None, "length")
+    parts = list(client.chat(model="smollm2", messages=ASK, tools=[WEATHER], options=cut,
+                             stream=True))
+    assert not any(p.message.tool_calls or p.message.content for p in parts), parts
+    assert parts[-1].done_reason == "length"
+
+
 def test_bad_tools_are_400s_naming_the_field(client: Any, base: str) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="smollm2", messages=HELLO,

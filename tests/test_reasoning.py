@@ -72,14 +72,17 @@ def test_a_thought_streams_as_it_comes_and_holds_only_what_may_be_a_tag() -> Non
     assert gate.end() == ("", "")
 
 
-def test_an_answer_that_may_call_tools_is_held_by_the_call_gate_after_the_thought() -> None:
-    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    gate = ReplyGate(thought=True, calls=True)
+def test_an_answer_that_may_call_tools_is_read_by_the_call_gate_after_the_thought() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    gate = ReplyGate(thought=True, names=["f"])
     assert gate.feed("Call f.\n</think>\n\nSure: ") == ("Call f.", "Sure:")
     assert gate.feed(call[:12]) == ("", "")
-    assert gate.sent < len(gate.text)  # the call is held
-    assert gate.feed(call[12:]) == ("", "")
-    assert gate.rest(calls=True) == ("", "")  # the content before the call went already
-    plain = ReplyGate(thought=None, calls=False)
+    assert gate.sent < len(gate.text) and gate.take() == []  # held: it may begin a call
+    assert gate.feed(call[12:42]) == ("", "")
+    assert gate.take() == [(0, "f", '{"x')]  # a call: its name, and its arguments as they come
+    assert gate.feed(call[42:]) == ("", "") and gate.take() == [(0, None, '": 1}')]
+    assert gate.rest() == ("", "") and gate.take() == []  # the content went already
+    assert [(c.name, c.arguments, c.closed) for c in gate.calls] == [("f", '{"x": 1}', True)]
+    plain = ReplyGate(thought=None)
     assert plain.feed("<think>x</think>y") == ("", "<think>x</think>y")
-    assert plain.sent == len(plain.text) and plain.rest(False) == ("", "")
+    assert plain.sent == len(plain.text) and plain.rest() == ("", "") and plain.take() == []

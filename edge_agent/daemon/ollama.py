@@ -15,9 +15,11 @@ Invariants owned here:
   stream began. A client that goes away cancels its request (as on the OpenAI routes).
 - A chat that offers `tools` is answered as on the OpenAI route (daemon/structured.py parses
   the calls out of the reply): `message.tool_calls` in Ollama's shape and `content` the text
-  before the calls ("" if none). Its stream sends the text that can no longer be part of a
-  call as it comes (structured.CallGate), then one object with the calls or the text held
-  back, then the final object.
+  before the calls ("" if none); a call whose arguments are not a JSON object (cut short, or
+  malformed) is left out, as Ollama's calls carry an object. Its stream sends the text that
+  can no longer be part of a call as it comes (structured.CallGate), each call in an object of
+  its own once its arguments are whole, then the text held back (if any), then the final
+  object.
 - A model's card (GGUF metadata, parameter count, sha256 of the file) is read off the event
   loop and kept while the file is unchanged (same device, inode, size and mtime).
 """
@@ -31,7 +33,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -281,18 +283,12 @@ class OllamaRoutes:
         if end is not None and end.code is not None:
             raise end_error(end.code, end.message)
         thought, answer = reasoning.reply_parts(rec.text, self._thought(rec, svc))
-        calls = self._tool_calls(rec, answer)
-        return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(),
-                                text=structured.reply_content(answer, bool(calls)),
+        text, calls = structured.split_reply(rec.request, answer, rec.id)
+        return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(), text=text,
                                 done_reason=rec.finish_reason or "stop",
-                                stats=self._stats(rec, svc, t0), tool_calls=calls,
+                                stats=self._stats(rec, svc, t0),
+                                tool_calls=_ollama_calls(calls or ()),
                                 thinking=thought if oreq.think is not False else None))
-
-    @staticmethod
-    def _tool_calls(rec: RequestRecord, answer: str) -> list[dict[str, Any]] | None:
-        """The reply's tool calls in Ollama's shape (None: it is text, or no tools offered)."""
-        calls = structured.tool_calls(rec.request, answer, rec.id)
-        return None if calls is None else ollama_tool_calls(calls)
 
     @staticmethod
     def _thought(rec: RequestRecord, svc: ServedModel) -> bool | None:
@@ -331,21 +327,37 @@ class OllamaRoutes:
     async def _stream(self, rec: RequestRecord, oreq: OllamaRequest, svc: ServedModel,
                       t0: float) -> AsyncIterator[bytes]:
         # a thinking model's reasoning streams apart from its answer (`thinking`, left out
-        # with think: false); a reply that may call tools streams what can no longer be part
-        # of a call
-        thought, tools = self._thought(rec, svc), structured.may_call_tools(rec.request)
-        gate = reasoning.ReplyGate(thought, tools) if thought is not None or tools else None
+        # with think: false); a reply that may call tools streams its text up to a call, then
+        # each call once its arguments are whole
+        thought, names = self._thought(rec, svc), structured.offered_names(rec.request)
+        gate = reasoning.ReplyGate(thought, names) if thought is not None or names else None
         shown = oreq.think is not False
+        made = kept = 0  # calls read (whole); calls sent (those left out not counted)
+
+        def whole() -> list[dict[str, Any]] | None:
+            nonlocal made, kept
+            assert gate is not None
+            done = [c for c in gate.calls[made:] if c.closed]  # calls close in order
+            made += len(done)
+            calls = _ollama_calls(structured.openai_calls(done, rec.id), start=kept)
+            kept += len(calls or ())
+            return calls
+
         try:
             async for batch in rec.follow_batches(0):
                 pieces = [("", piece) for _, piece in batch]
+                calls = None
                 if gate is not None:
                     fed = [gate.feed(piece) for _, piece in pieces]
                     pieces = [("".join(r for r, _ in fed) if shown else "",
                                "".join(a for _, a in fed))]
+                    calls = whole()
                 out = [ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
                                     text=text, thinking=said))
                        for said, text in pieces if said or text]
+                if calls:
+                    out.append(ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
+                                            text="", tool_calls=calls)))
                 if out:
                     yield b"".join(out)
             end = rec.outcome
@@ -355,10 +367,9 @@ class OllamaRoutes:
                 calls = None
                 said = text = ""
                 if gate is not None:
-                    answer = reasoning.reply_parts(rec.text, thought)[1]
-                    calls = self._tool_calls(rec, answer)
-                    said, text = gate.rest(bool(calls))
+                    said, text = gate.rest()
                     said = said if shown else ""
+                    calls = whole()
                 if calls or text or said:
                     yield ndjson(chunk(chat=oreq.chat, model=oreq.model, now=time.time(),
                                        text=text, tool_calls=calls, thinking=said))
@@ -378,3 +389,11 @@ class OllamaRoutes:
                      prompt_tokens=rec.prompt_tokens, prompt_s=max(0.0, prompt_s),
                      eval_tokens=len(rec.tokens),
                      eval_s=end - first if first is not None else 0.0)
+
+
+def _ollama_calls(calls: Sequence[Mapping[str, Any]],
+                  start: int = 0) -> list[dict[str, Any]] | None:
+    """Calls in OpenAI's shape in Ollama's (None: none), leaving out those whose arguments are
+    not a JSON object; `start`: how many of the reply's calls were sent before these."""
+    kept = [c for c in calls if structured.object_arguments(c["function"]["arguments"]) is not None]
+    return ollama_tool_calls(kept, start=start) or None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.daemon.structured import CallGate, held_tail, jinja_template
+from edge_agent.daemon.structured import Call, CallGate, held_tail, jinja_template
 from edge_agent.protocol.api import GenerationRequest
 
 if TYPE_CHECKING:
@@ -133,12 +133,13 @@ def reply_parts(text: str, thought: bool | None) -> tuple[str | None, str]:
 
 class ReplyGate:
     """What of a reply a stream can send now: reasoning (when the reply is parsed for a
-    thought), and answer text, held by a `structured.CallGate` when the answer may be a tool
-    call. `sent` is how much of the reply is accounted for."""
+    thought), and answer text, read by a `structured.CallGate` when the answer may call tools
+    (`names`: the functions it may call; its calls' parts come from `take`). `sent` is how much
+    of the reply is accounted for."""
 
-    def __init__(self, thought: bool | None, calls: bool) -> None:
+    def __init__(self, thought: bool | None, names: Sequence[str] = ()) -> None:
         self.think = ThinkGate(thought) if thought is not None else None
-        self.call = CallGate() if calls else None
+        self.call = CallGate(names) if names else None
         self.text = ""  # the reply so far
 
     def feed(self, piece: str) -> tuple[str, str]:
@@ -149,6 +150,15 @@ class ReplyGate:
             answer = self.call.feed(answer)
         return reasoning, answer
 
+    def take(self) -> list[tuple[int, str | None, str]]:
+        """The calls' parts found since the last take (`CallGate.take`)."""
+        return self.call.take() if self.call is not None else []
+
+    @property
+    def calls(self) -> list[Call]:
+        """The calls the answer made so far."""
+        return self.call.calls if self.call is not None else []
+
     @property
     def sent(self) -> int:
         done = self.think.done if self.think is not None else len(self.text)
@@ -156,10 +166,10 @@ class ReplyGate:
             done -= len(self.call.text) - self.call.sent  # answer the call gate still holds
         return done
 
-    def rest(self, calls: bool) -> tuple[str, str]:
-        """At the end: the reasoning and answer text still to send (`calls`: the answer is a
-        tool call, only its content is text)."""
+    def rest(self) -> tuple[str, str]:
+        """At the end: the reasoning and answer text still to send (the last calls' parts
+        then come from `take`)."""
         reasoning, answer = self.think.end() if self.think is not None else ("", "")
         if self.call is not None:
-            answer = self.call.feed(answer) + self.call.rest(calls)
+            answer = self.call.feed(answer) + self.call.end()
         return reasoning, answer

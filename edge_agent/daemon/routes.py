@@ -215,10 +215,10 @@ class Router:
             err = end_error(end.code, end.message, {"id": rec.id, **end.extra()})
             return Response(err.status, err.body())
         thought, answer = reasoning.reply_parts(rec.text, self._thought(rec))
-        calls = structured.tool_calls(rec.request, answer, rec.id)
+        text, calls = structured.split_reply(rec.request, answer, rec.id)
         body = completion_response(
             rid=rec.id, model=rec.model, created=rec.created, chat=rec.request.chat,
-            text=structured.reply_content(answer, bool(calls)),
+            text=text,
             finish_reason=rec.finish_reason, prompt_tokens=rec.prompt_tokens,
             completion_tokens=len(rec.tokens), tool_calls=calls,
             logprobs=self._logprobs(rec, 0, rec.logprobs_released),
@@ -244,9 +244,9 @@ class Router:
         common: _ChunkIds = {"rid": rec.id, "model": rec.model, "created": rec.created,
                              "chat": rec.request.chat}
         # a thinking model's reasoning streams apart from its answer; a reply that may call
-        # tools streams what can no longer be part of a call
-        thought, tools = self._thought(rec), structured.may_call_tools(rec.request)
-        gate = reasoning.ReplyGate(thought, tools) if thought is not None or tools else None
+        # tools streams its text up to a call, then each call as it is written
+        thought, names = self._thought(rec), structured.offered_names(rec.request)
+        gate = reasoning.ReplyGate(thought, names) if thought is not None or names else None
         try:
             first = True
             sent = 0  # logprob entries sent (each piece carries those released with it)
@@ -264,11 +264,12 @@ class Router:
                     while whole < len(ends) and ends[whole] <= gate.sent:
                         whole += 1
                     upto = rec.piece_logprobs[whole - 1] if whole else 0
-                    if text or thinking or upto > sent:
+                    calls = _call_deltas(gate.take(), rec.id)
+                    if text or thinking or calls or upto > sent:
                         out.append(sse_event(completion_chunk(
-                            text=text, reasoning=thinking, finish_reason=None, first=first,
-                            include_usage=usage, logprobs=self._logprobs(rec, sent, upto),
-                            **common)))
+                            text=text, reasoning=thinking, tool_calls=calls,
+                            finish_reason=None, first=first, include_usage=usage,
+                            logprobs=self._logprobs(rec, sent, upto), **common)))
                         first, sent = False, upto
                 else:
                     for i, piece in batch:
@@ -289,10 +290,10 @@ class Router:
             else:
                 finish = rec.finish_reason
                 if gate is not None:
-                    answer = reasoning.reply_parts(rec.text, thought)[1]
-                    calls = structured.tool_calls(rec.request, answer, rec.id)
-                    finish = "tool_calls" if calls else finish
-                    thinking, text = gate.rest(bool(calls))
+                    thinking, text = gate.rest()
+                    calls = _call_deltas(gate.take(), rec.id)
+                    if gate.calls and finish != "length":  # a call cut short keeps "length"
+                        finish = "tool_calls"
                     if calls or text or thinking or first or rec.logprobs_released > sent:
                         yield sse_event(completion_chunk(
                             text=text, reasoning=thinking, tool_calls=calls,
@@ -408,3 +409,11 @@ def _piece(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
+
+
+def _call_deltas(parts: list[tuple[int, str | None, str]], rid: str) -> list[dict[str, Any]]:
+    """A `CallGate`'s call parts as OpenAI streams them: a new call with its index, id, type,
+    name and first arguments' text, then more of its arguments' text under its index."""
+    return [{"index": i, "id": structured.call_id(rid, i), "type": "function",
+             "function": {"name": name, "arguments": args}} if name is not None
+            else {"index": i, "function": {"arguments": args}} for i, name, args in parts]

@@ -18,16 +18,26 @@ Invariants owned here:
   template writes objects (`_object_arguments`, probed once per template), else their text.
 - Every Jinja template gets `enable_thinking` true unless the request sets it (llama-server's
   default), and an assistant's reasoning sent back as the message's `reasoning_content`.
-- `parse_tool_calls` recognizes `<tool_call>{json}</tool_call>` blocks, or a reply that is one
-  JSON object {"name": NAME, "arguments": {...}} ("parameters" for "arguments", as Llama 3.x
-  writes it; a ```json fence around it allowed), NAME one of the request's functions;
-  anything else is text. A reply with blocks keeps the text before the first as its content
-  (`call_content`).
-- A stream of a reply that may call tools (`CallGate`) sends as text what can no longer be part
-  of a call, as it comes: the text before a `<tool_call>` (or before a tail that could begin
-  one), without its trailing whitespace; a reply whose first non-blank character is `{` or a
-  backtick (a bare or fenced JSON call) is held whole. The rest is known at the end: the calls
-  and, if none, the text held back. What a stream sends is what the unstreamed reply says.
+- A reply that may call tools is read by `CallGate`, left to right, the same way streamed or
+  not (`split_reply` feeds it the whole reply): what it sends is what the unstreamed reply
+  says, whatever the pieces.
+  - Text streams as it comes until a `<tool_call>` (a tail that could begin one, and trailing
+    whitespace, wait for what follows). A reply whose first non-blank character is `{` or a
+    backtick is read as a bare (or ```json-fenced) JSON call.
+  - A call is made once its text begins `{"name": "<an offered function>", "arguments": {`
+    ("parameters" for "arguments", as Llama 3.x writes it; whitespace anywhere between): its
+    name goes out then, and its arguments' text as it comes, as written, up to the brace that
+    closes them. A reply cut short leaves the call's arguments cut short (finish_reason
+    "length"), as OpenAI's do; Ollama's routes, whose calls carry an object, leave such a call
+    out (`object_arguments`).
+  - After a call, text is left out; each further `<tool_call>` block is a call as above, or,
+    in another form, one if `parse_tool_calls` reads it when the block closes. A bare call is
+    the whole reply: what follows it is left out.
+  - A reply whose first block (or bare object) does not begin as a call is held to the end:
+    `parse_tool_calls` then reads it whole, as `<tool_call>{json}</tool_call>` blocks every
+    one of which is a call of an offered function, or one JSON object {"name", "arguments"}
+    (in any key order, a ```json fence allowed, arguments an object or its JSON text); its
+    content is the text before the first block. Anything else is text.
 """
 
 from __future__ import annotations
@@ -42,9 +52,10 @@ from typing import Any
 from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
-__all__ = ["TOOLS_PROMPT", "CallGate", "call_content", "call_names", "chat_prompt",
-           "grammar_for", "held_tail", "jinja_template", "may_call_tools", "parse_tool_calls",
-           "reply_content", "template_messages", "tool_calls", "tools_key"]
+__all__ = ["TOOLS_PROMPT", "Call", "CallGate", "call_id", "call_names", "chat_prompt",
+           "grammar_for", "held_tail", "jinja_template", "object_arguments", "offered_names",
+           "openai_calls", "parse_tool_calls", "split_reply", "template_messages", "tool_calls",
+           "tools_key"]
 
 TOOLS_PROMPT = (
     "You can call functions. These are the functions, with the JSON Schema of their "
@@ -310,67 +321,243 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> list[tuple[str, dict[st
     return calls or None
 
 
-def may_call_tools(req: GenerationRequest) -> bool:
-    """Whether the reply may be a tool call (then a stream holds it until it is complete)."""
-    return bool(_offered(req))
+def offered_names(req: GenerationRequest) -> list[str]:
+    """The names of the functions the reply may call (none: it is text; else a stream reads
+    it through a `CallGate`)."""
+    return [f["name"] for f in _offered(req)]
 
 
 def tool_calls(req: GenerationRequest, text: str, rid: str) -> list[dict[str, Any]] | None:
     """The reply's `tool_calls` (OpenAI's shape) when `text` is a call, else None."""
-    functions = _offered(req)
-    if not functions:
+    return split_reply(req, text, rid)[1]
+
+
+def split_reply(req: GenerationRequest, text: str,
+                rid: str) -> tuple[str, list[dict[str, Any]] | None]:
+    """(content, tool calls in OpenAI's shape or None) of the reply `text`: what a `CallGate`
+    fed the whole reply sends (the text of a reply that may not call tools)."""
+    names = offered_names(req)
+    if not names:
+        return text, None
+    gate = CallGate(names)
+    content = gate.feed(text) + gate.end()
+    return content, (openai_calls(gate.calls, rid) or None)
+
+
+def call_id(rid: str, index: int) -> str:
+    """The id of call `index` of request `rid`'s reply."""
+    return f"call_{rid.removeprefix('req-')}_{index}"
+
+
+def openai_calls(calls: Sequence[Call], rid: str) -> list[dict[str, Any]]:
+    """`calls` in OpenAI's shape (arguments their text)."""
+    return [{"id": call_id(rid, c.index), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def object_arguments(arguments: str) -> dict[str, Any] | None:
+    """A call's arguments as the JSON object their text is (None: it is not one; a call cut
+    short or malformed, which Ollama's routes leave out)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
         return None
-    calls = parse_tool_calls(text, [f["name"] for f in functions])
-    if calls is None:
-        return None
-    return [{"id": f"call_{rid.removeprefix('req-')}_{i}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-            for i, (name, args) in enumerate(calls)]
+    return value if isinstance(value, dict) else None
 
 
-def call_content(text: str) -> str | None:
-    """The content of a reply that is a call: the text before its first `<tool_call>` block
-    without trailing whitespace (None: none, or a bare JSON call)."""
-    at = text.find(_MARK)
-    return (text[:at].rstrip() or None) if at > 0 else None
+class Call:
+    """One call of a reply: its place among the reply's calls, name and arguments' text so
+    far; `closed` once its arguments are whole (or, cut short, never)."""
+
+    __slots__ = ("arguments", "closed", "index", "name")
+
+    def __init__(self, index: int, name: str, arguments: str = "", closed: bool = False) -> None:
+        self.index, self.name, self.arguments, self.closed = index, name, arguments, closed
+
+    def __repr__(self) -> str:
+        return f"Call({self.index}, {self.name!r}, {self.arguments!r}, closed={self.closed})"
 
 
-def reply_content(text: str, calls: bool) -> str:
-    """What a reply says as text: all of it, or for a call (`calls`) its `call_content`
-    ("" if none). The unstreamed replies and a gated stream send exactly this."""
-    return (call_content(text) or "") if calls else text
+_CLOSE = "</tool_call>"
+_FENCE_OPEN: tuple[tuple[tuple[str, ...], bool], ...] = ((("```",), False), (("json",), True))
+
+
+def _head(names: Sequence[str]) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """The tokens a call begins with, whitespace allowed between them:
+    `{"name": "<offered name>", "arguments": {` ("parameters" for "arguments")."""
+    return ((("{",), False), (('"name"',), False), ((":",), False),
+            (tuple(json.dumps(n, ensure_ascii=False) for n in names), False), ((",",), False),
+            (('"arguments"', '"parameters"'), False), ((":",), False), (("{",), False))
+
+
+def _match(text: str, at: int,
+           tokens: Sequence[tuple[tuple[str, ...], bool]]) -> tuple[int, list[str]] | bool:
+    """Match `tokens` (alternatives, optional) in `text` from `at`, whitespace between them:
+    (where the match ends, the alternatives matched), True: `text` ends before it is known,
+    False: it does not match. Each token's alternatives are prefix-free."""
+    got = []
+    for alternatives, optional in tokens:
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        if at == len(text):
+            return True
+        rest = text[at:at + max(map(len, alternatives))]
+        hit = next((a for a in alternatives if rest.startswith(a)), None)
+        if hit is None:
+            if any(a.startswith(rest) for a in alternatives) and at + len(rest) == len(text):
+                return True  # the text so far is the start of one
+            if optional:
+                continue
+            return False
+        got.append(hit)
+        at += len(hit)
+    return at, got
 
 
 class CallGate:
     """What of a reply that may call tools a stream can send now (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.head = _head(self.names)
         self.text = ""  # the reply so far
-        self.sent = 0  # characters of it sent as text
-        self.shut = False  # a call may have begun: nothing more is sent before the end
+        self.pos = 0  # where the scan is
+        self.sent = 0  # characters of the reply accounted for (sent, or left out)
+        self.said = 0  # where the text sent ends
+        self.state = "start"  # start | text | head | args | after | block | bare | hold | done
+        self.calls: list[Call] = []
+        self.deltas: list[tuple[int, str | None, str]] = []  # (call, name when new, arguments)
+        self.at = 0  # where the block (or bare call) being matched begins its call
+        self.depth, self.quoted, self.escaped = 0, False, False
+        self.bare = False  # the call being read is a bare JSON object: nothing follows it
+
+    def take(self) -> list[tuple[int, str | None, str]]:
+        """The calls' parts found since the last take: (call index, its name if the call is
+        new, more of its arguments' text); a call's parts are merged."""
+        out: list[tuple[int, str | None, str]] = []
+        for index, name, args in self.deltas:
+            if name is None and not args:
+                continue
+            if out and out[-1][0] == index:
+                out[-1] = (index, out[-1][1], out[-1][2] + args)
+            else:
+                out.append((index, name, args))
+        self.deltas = []
+        return out
+
+    def _commit(self, name: str, arguments: str = "", closed: bool = False) -> Call:
+        call = Call(len(self.calls), name, arguments, closed)
+        self.calls.append(call)
+        self.deltas.append((call.index, name, arguments))
+        return call
 
     def feed(self, piece: str) -> str:
         """Add the next piece of the reply; the text that may be sent now ("" if none)."""
         self.text += piece
-        if self.shut:
-            return ""
-        text = self.text
-        if self.sent == 0:
-            body = text.lstrip()
-            if not body:
-                return ""
-            if body[0] in "{`":
-                self.shut = True  # a bare or fenced JSON call: the whole reply decides
-                return ""
-        at = text.find(_MARK, self.sent)
-        if at >= 0:
-            self.shut, limit = True, at
-        else:
-            limit = len(text) - held_tail(text, _MARK)
-        out = text[self.sent:limit].rstrip()  # trailing whitespace waits for what follows
-        self.sent += len(out)
-        return out
+        out = ""
+        while True:
+            state, text = self.state, self.text
+            if state == "start":
+                body = text.lstrip()
+                if not body:
+                    return out
+                self.pos = len(text) - len(body)
+                self.at = self.pos
+                self.state = "bare" if body[0] in "{`" else "text"
+            elif state == "text":  # no call yet: text until a <tool_call>
+                at = text.find(_MARK, self.pos)
+                limit = at if at >= 0 else len(text) - held_tail(text, _MARK)
+                part = text[self.said:limit].rstrip()  # trailing whitespace waits
+                out += part
+                self.said += len(part)
+                self.sent = self.said
+                if at < 0:
+                    self.pos = max(self.pos, limit)
+                    return out
+                self.state, self.pos, self.at = "head", at + len(_MARK), at + len(_MARK)
+            elif state in ("head", "bare"):
+                tokens = self.head if state == "head" else (
+                    (*_FENCE_OPEN, *self.head) if text.startswith("`", self.at) else self.head)
+                got = _match(text, self.at, tokens)
+                if got is True:
+                    return out
+                if got is False:
+                    if self.calls:  # another form: decided when its block closes
+                        self.state = "block"
+                        continue
+                    self.state = "hold"  # no call yet: the whole reply decides
+                    return out
+                end, words = got
+                self._commit(json.loads(words[-5]))
+                self.pos = self.sent = end - 1  # the arguments' `{`
+                self.depth, self.quoted, self.escaped = 0, False, False
+                self.bare = state == "bare"
+                self.state = "args"
+            elif state == "args":
+                call = self.calls[-1]
+                i = self.pos
+                while i < len(text):
+                    c = text[i]
+                    i += 1
+                    if self.quoted:
+                        if self.escaped:
+                            self.escaped = False
+                        elif c == "\\":
+                            self.escaped = True
+                        elif c == '"':
+                            self.quoted = False
+                    elif c == '"':
+                        self.quoted = True
+                    elif c in "{[":
+                        self.depth += 1
+                    elif c in "}]":
+                        self.depth -= 1
+                        if self.depth <= 0:
+                            call.closed = True
+                            break
+                part = text[self.pos:i]
+                call.arguments += part
+                self.deltas.append((call.index, None, part))
+                self.pos = self.sent = i
+                if not call.closed:
+                    return out
+                self.state = "done" if self.bare else "after"
+            elif state == "after":  # a call was made: the rest is calls, or left out
+                at = text.find(_MARK, self.pos)
+                if at < 0:
+                    self.pos = self.sent = len(text) - held_tail(text, _MARK)
+                    return out
+                self.state, self.pos, self.at = "head", at + len(_MARK), at + len(_MARK)
+                self.sent = at
+            elif state == "block":  # a block in another form, after a call: whole or nothing
+                close = text.find(_CLOSE, self.pos)
+                if close < 0:
+                    self.pos = max(self.pos, len(text) - len(_CLOSE) + 1)  # no rescan
+                    return out
+                found = parse_tool_calls(text[self.at - len(_MARK):close + len(_CLOSE)],
+                                         self.names)
+                for name, args in found or ():
+                    self._commit(name, json.dumps(args, ensure_ascii=False), closed=True)
+                self.state, self.pos = "after", close + len(_CLOSE)
+                self.sent = self.pos
+            else:  # hold (decided at the end) or done (the rest is left out)
+                if state == "done":
+                    self.pos = self.sent = len(text)
+                return out
 
-    def rest(self, calls: bool) -> str:
-        """At the end: the text still to send (`calls`: the reply is a call, its content only)."""
-        return reply_content(self.text, calls)[self.sent:]
+    def end(self) -> str:
+        """At the end of the reply: the text still to send. A reply held whole (`hold`) is a
+        call if `parse_tool_calls` says so (its content the text before its first block,
+        sent already), else text."""
+        out = self.feed("")
+        if not self.calls and self.state in ("head", "bare", "hold"):
+            found = parse_tool_calls(self.text, self.names)
+            if found is None:
+                out += self.text[self.said:]  # text: a block or an object cut short, or not a call
+            for name, args in found or ():
+                self._commit(name, json.dumps(args, ensure_ascii=False), closed=True)
+        elif self.state in ("start", "text"):
+            out += self.text[self.said:]  # held whitespace, or a tail like "<tool_"
+        self.said = self.sent = self.pos = len(self.text)
+        self.state = "done"
+        return out

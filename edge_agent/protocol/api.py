@@ -1175,14 +1175,16 @@ def completion_response(
 ) -> dict[str, Any]:
     """The OpenAI-shaped (non-streaming) reply; with `tool_calls` (chat), a reply that calls
     tools: content `text` (the text before the calls) or null, finish_reason "tool_calls"
-    (`logprobs`: chat_logprobs or completion_logprobs, when the request asked);
+    ("length" kept: a call cut short) (`logprobs`: chat_logprobs or completion_logprobs, when
+    the request asked);
     `cached_tokens`: prompt tokens the prompt cache held (usage.prompt_tokens_details, as
     OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat and tool_calls:
         choice["message"] = {"role": "assistant", "content": text or None,
                              "tool_calls": tool_calls}
-        choice["finish_reason"] = "tool_calls"
+        if finish_reason != "length":
+            choice["finish_reason"] = "tool_calls"
     elif chat:
         choice["message"] = {"role": "assistant", "content": text}
         if logprobs is not None:
@@ -1215,8 +1217,9 @@ def completion_chunk(
 ) -> dict[str, Any]:
     """One streamed chunk; with chat, the first chunk carries the assistant role. `logprobs`:
     those of the tokens this chunk carries; `include_usage`: the chunk has `"usage": null`
-    (the usage comes in `usage_chunk`, last); `tool_calls` (chat): whole calls, each with its
-    `index` in the delta, as OpenAI streams them; `reasoning` (chat): a piece of a thinking
+    (the usage comes in `usage_chunk`, last); `tool_calls` (chat): the calls' parts as OpenAI
+    streams them, each with its `index` (a new call's id, type and name, then more of its
+    arguments' text); `reasoning` (chat): a piece of a thinking
     model's reasoning (`delta.reasoning_content`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
@@ -1226,7 +1229,7 @@ def completion_chunk(
         if text:
             delta["content"] = text
         if tool_calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
         if logprobs is not None:
             choice["logprobs"] = logprobs

@@ -620,12 +620,12 @@ def ndjson(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
-def ollama_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A reply's tool calls (OpenAI's shape, arguments a JSON string) in Ollama's:
-    `[{"id", "function": {"index", "name", "arguments": {...}}}]`."""
+def ollama_tool_calls(calls: Sequence[Mapping[str, Any]], start: int = 0) -> list[dict[str, Any]]:
+    """A reply's tool calls (OpenAI's shape, arguments the JSON text of an object) in Ollama's:
+    `[{"id", "function": {"index", "name", "arguments": {...}}}]`, indexed from `start`."""
     return [{"id": c["id"], "function": {"index": i, "name": c["function"]["name"],
                                          "arguments": json.loads(c["function"]["arguments"])}}
-            for i, c in enumerate(calls)]
+            for i, c in enumerate(calls, start)]
 
 
 def chunk(*, chat: bool, model: str, now: float, text: str,
