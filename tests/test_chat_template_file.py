@@ -131,6 +131,36 @@ def test_a_template_that_renders_tools_gets_native_calls_in_a_session(daemon: Da
                                     "<|im_start|>assistant\n"), turn
 
 
+def test_a_native_call_streams_its_arguments_as_they_are_written(daemon: Daemon) -> None:
+    """Under a template whose calls are <tool_call> blocks, a streamed call comes as OpenAI
+    and llama-server stream one: its index, id, type and name first, then its arguments in
+    parts; put together as the openai package does, it is the unstreamed reply."""
+    from openai.lib.streaming._deltas import accumulate_delta
+
+    ask = {"model": "qwenstyle", "messages": USER, "temperature": 0, "max_tokens": 60,
+           "tools": [WEATHER], "tool_choice": "required"}
+    whole = _chat(daemon, **ask)
+    tokens = journal_tokens(daemon.journal)[whole["id"]]  # type: ignore[attr-defined]
+    status, text = daemon.json("POST", "/detokenize", {"tokens": tokens, "model": "qwenstyle"})
+    assert status == 200 and text["content"].startswith("<tool_call>"), text
+    chunks = _sse(daemon, ask)
+    calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks
+             if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    assert len(calls) > 1, calls  # the arguments came in parts
+    first = calls[0][0]
+    assert (first["index"], first["type"], first["function"]["name"]) == (0, "function",
+                                                                          "get_weather")
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+               for part in calls[1:] for d in part), calls  # then only arguments
+    message: dict[Any, Any] = {}
+    for c in chunks:
+        message = accumulate_delta(message, c["choices"][0]["delta"])
+    want = whole["choices"][0]["message"]["tool_calls"]
+    assert [(c["type"], c["function"]) for c in message["tool_calls"]] == [
+        (c["type"], c["function"]) for c in want]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+
+
 def test_a_template_file_that_does_not_compile_fails_its_model_only(daemon: Daemon) -> None:
     broken: Path = daemon.broken  # type: ignore[attr-defined]
     status, err = daemon.json("POST", "/v1/chat/completions", {
