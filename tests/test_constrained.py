@@ -441,8 +441,10 @@ def test_a_streamed_reply_that_may_call_tools_is_the_unstreamed_reply(
             assert parts > 1, parts  # the arguments came as they were written
         else:
             assert "tool_calls" not in message and texts > 1, texts  # text as it came
-            assert whole.choices[0].logprobs and lps == [
-                e.token for e in whole.choices[0].logprobs.content or ()]
+        # every token's log-probability, a call's too, streamed or not
+        assert whole.choices[0].logprobs and lps == [
+            e.token for e in whole.choices[0].logprobs.content or ()]
+        assert len(lps) == whole.usage.completion_tokens
         kinds.add(bool(msg.tool_calls))
     assert kinds == {True, False}  # both a call and text went through
 

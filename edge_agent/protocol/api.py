@@ -1180,14 +1180,13 @@ def completion_response(
     `cached_tokens`: prompt tokens the prompt cache held (usage.prompt_tokens_details, as
     OpenAI reports its own prompt caching)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-    if chat and tool_calls:
-        choice["message"] = {"role": "assistant", "content": text or None,
-                             "tool_calls": tool_calls}
-        if finish_reason != "length":
-            choice["finish_reason"] = "tool_calls"
-    elif chat:
+    if chat:
         choice["message"] = {"role": "assistant", "content": text}
-        if logprobs is not None:
+        if tool_calls:
+            choice["message"].update(content=text or None, tool_calls=tool_calls)
+            if finish_reason != "length":
+                choice["finish_reason"] = "tool_calls"
+        if logprobs is not None:  # every token's, a call's too (as a stream carries them)
             choice["logprobs"] = logprobs
     else:
         choice["text"] = text
