@@ -215,7 +215,12 @@ def test_a_stream_that_may_call_tools_sends_text_as_soon_as_it_cannot_be_a_call(
     assert _gate(["{not json", "}"]) == (["", ""], "{not json}", False)
     assert _gate(["```json\n", '{"name": "get_weather", "arguments": {}}\n```']) == (
         ["", ""], "", True)
-    assert _gate(["`x` is", " a variable"]) == (["", ""], "`x` is a variable", False)
+    # ... and sent as text once it cannot be one: no JSON object opens it
+    assert _gate(["`x` is", " a variable"]) == (["`x` is", " a variable"], "", False)
+    assert _gate(["```", "python\nprint(1)\n", "```"]) == (
+        ["", "```python\nprint(1)", "\n```"], "", False)
+    assert _gate(["``", "`json\n[1]"]) == (["", "```json\n[1]"], "", False)
+    assert _gate(['{"city": "Oslo"}', " is it"]) == (["", ""], '{"city": "Oslo"} is it', False)
     # blank, and a block that is not a call: everything held back comes at the end
     assert _gate(["\n", " "]) == (["", ""], "\n ", False)
     assert _gate(["Hi <tool_call>", "oops</tool_call> bye"]) == (["Hi", ""],
@@ -261,7 +266,8 @@ def test_whatever_the_pieces_a_gated_stream_sends_the_unstreamed_reply() -> None
                "x" + CALL + " and text after it", CALL + "<tool_call>oops</tool_call>",
                '{"name": "get_weather", "arguments": {"city": "Os',
                '```json\n{"name": "get_weather", "arguments": "{}"}\n```',
-               CALL + '<tool_call>{"arguments": {}, "name": "get_weather"}</tool_call> bye']
+               CALL + '<tool_call>{"arguments": {}, "name": "get_weather"}</tool_call> bye',
+               "`x` is <tool_call>" + CALL[11:], "```sh\nls\n``` " + CALL]
     for reply in replies:
         content, calls = _whole(reply)
         for _ in range(40):

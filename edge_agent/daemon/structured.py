@@ -23,7 +23,8 @@ Invariants owned here:
   says, whatever the pieces.
   - Text streams as it comes until a `<tool_call>` (a tail that could begin one, and trailing
     whitespace, wait for what follows). A reply whose first non-blank character is `{` or a
-    backtick is read as a bare (or ```json-fenced) JSON call.
+    backtick is read as a bare (or ```json-fenced) JSON call, until it is not one: a reply
+    that does not open a JSON object, bare or in a ``` or ```json fence, is text.
   - A call is made once its text begins `{"name": "<an offered function>", "arguments": {`
     ("parameters" for "arguments", as Llama 3.x writes it; whitespace anywhere between): its
     name goes out then, and its arguments' text as it comes, as written, up to the brace that
@@ -484,6 +485,10 @@ class CallGate:
                 if got is False:
                     if self.calls:  # another form: decided when its block closes
                         self.state = "block"
+                        continue
+                    opening = tokens[:len(tokens) - len(self.head) + 1]  # ``` or ```json, `{`
+                    if state == "bare" and _match(text, self.at, opening) is False:
+                        self.state = "text"  # not JSON (`code`, ```python): text
                         continue
                     self.state = "hold"  # no call yet: the whole reply decides
                     return out
