@@ -216,6 +216,13 @@ def test_a_reply_s_calls_go_back_in_ollamas_shape_and_round_trip() -> None:
     assert body["message"] == {"role": "assistant", "content": "", "tool_calls": calls}
     assert (body["done"], body["done_reason"]) == (True, "stop")
     assert tool_calls(g, "It is sunny.", "req-abc") is None  # text stays text
+    # a call whose arguments are not an object (cut short, a list) is left out; the rest are
+    # indexed from where the reply's earlier calls left off
+    cut = [{"id": "a", "function": {"name": "f", "arguments": '{"city": "Os'}},
+           {"id": "b", "function": {"name": "f", "arguments": "[1]"}},
+           {"id": "c", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]
+    assert ollama_tool_calls(cut, start=2) == [{"id": "c", "function": {
+        "index": 2, "name": "f", "arguments": {"city": "Oslo"}}}]
     # the reply's message sent back as is: the same calls as the OpenAI route would keep
     again = chat(messages=[*HI, body["message"]], tools=[WEATHER]).generation.messages[1]
     assert again.tool_calls == tuple(oa_calls)

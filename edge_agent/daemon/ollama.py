@@ -33,7 +33,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,7 +287,7 @@ class OllamaRoutes:
         return _json(200, final(chat=oreq.chat, model=oreq.model, now=time.time(), text=text,
                                 done_reason=rec.finish_reason or "stop",
                                 stats=self._stats(rec, svc, t0),
-                                tool_calls=_ollama_calls(calls or ()),
+                                tool_calls=ollama_tool_calls(calls or ()) or None,
                                 thinking=thought if oreq.think is not False else None))
 
     @staticmethod
@@ -339,9 +339,9 @@ class OllamaRoutes:
             assert gate is not None
             done = [c for c in gate.calls[made:] if c.closed]  # calls close in order
             made += len(done)
-            calls = _ollama_calls(structured.openai_calls(done, rec.id), start=kept)
-            kept += len(calls or ())
-            return calls
+            calls = ollama_tool_calls(structured.openai_calls(done, rec.id), start=kept)
+            kept += len(calls)
+            return calls or None
 
         try:
             async for batch in rec.follow_batches(0):
@@ -389,11 +389,3 @@ class OllamaRoutes:
                      prompt_tokens=rec.prompt_tokens, prompt_s=max(0.0, prompt_s),
                      eval_tokens=len(rec.tokens),
                      eval_s=end - first if first is not None else 0.0)
-
-
-def _ollama_calls(calls: Sequence[Mapping[str, Any]],
-                  start: int = 0) -> list[dict[str, Any]] | None:
-    """Calls in OpenAI's shape in Ollama's (None: none), leaving out those whose arguments are
-    not a JSON object; `start`: how many of the reply's calls were sent before these."""
-    kept = [c for c in calls if structured.object_arguments(c["function"]["arguments"]) is not None]
-    return ollama_tool_calls(kept, start=start) or None

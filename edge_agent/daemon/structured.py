@@ -30,7 +30,7 @@ Invariants owned here:
     name goes out then, and its arguments' text as it comes, as written, up to the brace that
     closes them. A reply cut short leaves the call's arguments cut short (finish_reason
     "length"), as OpenAI's do; Ollama's routes, whose calls carry an object, leave such a call
-    out (`object_arguments`).
+    out (protocol/ollama.ollama_tool_calls).
   - After a call, text is left out; each further `<tool_call>` block is a call as above, or,
     in another form, one if `parse_tool_calls` reads it when the block closes. A bare call is
     the whole reply: what follows it is left out.
@@ -54,7 +54,7 @@ from edge_agent.errors import InvalidRequest
 from edge_agent.protocol.api import GenerationRequest
 
 __all__ = ["TOOLS_PROMPT", "Call", "CallGate", "call_id", "call_names", "chat_prompt",
-           "grammar_for", "held_tail", "jinja_template", "object_arguments", "offered_names",
+           "grammar_for", "held_tail", "jinja_template", "offered_names",
            "openai_calls", "parse_tool_calls", "split_reply", "template_messages", "tool_calls",
            "tools_key"]
 
@@ -354,16 +354,6 @@ def openai_calls(calls: Sequence[Call], rid: str) -> list[dict[str, Any]]:
     """`calls` in OpenAI's shape (arguments their text)."""
     return [{"id": call_id(rid, c.index), "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-
-
-def object_arguments(arguments: str) -> dict[str, Any] | None:
-    """A call's arguments as the JSON object their text is (None: it is not one; a call cut
-    short or malformed, which Ollama's routes leave out)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 class Call:

@@ -1218,8 +1218,8 @@ def completion_chunk(
     those of the tokens this chunk carries; `include_usage`: the chunk has `"usage": null`
     (the usage comes in `usage_chunk`, last); `tool_calls` (chat): the calls' parts as OpenAI
     streams them, each with its `index` (a new call's id, type and name, then more of its
-    arguments' text); `reasoning` (chat): a piece of a thinking
-    model's reasoning (`delta.reasoning_content`)."""
+    arguments' text); `reasoning` (chat): a piece of a thinking model's reasoning
+    (`delta.reasoning_content`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}

@@ -621,11 +621,21 @@ def ndjson(obj: Mapping[str, Any]) -> bytes:
 
 
 def ollama_tool_calls(calls: Sequence[Mapping[str, Any]], start: int = 0) -> list[dict[str, Any]]:
-    """A reply's tool calls (OpenAI's shape, arguments the JSON text of an object) in Ollama's:
-    `[{"id", "function": {"index", "name", "arguments": {...}}}]`, indexed from `start`."""
-    return [{"id": c["id"], "function": {"index": i, "name": c["function"]["name"],
-                                         "arguments": json.loads(c["function"]["arguments"])}}
-            for i, c in enumerate(calls, start)]
+    """A reply's tool calls (OpenAI's shape, arguments a JSON string) in Ollama's:
+    `[{"id", "function": {"index", "name", "arguments": {...}}}]`, indexed from `start`. A call
+    whose arguments are not the JSON text of an object (cut short, or malformed) is left out:
+    Ollama's calls carry an object."""
+    out: list[dict[str, Any]] = []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            out.append({"id": c["id"], "function": {"index": start + len(out),
+                                                    "name": c["function"]["name"],
+                                                    "arguments": args}})
+    return out
 
 
 def chunk(*, chat: bool, model: str, now: float, text: str,
